@@ -1,0 +1,294 @@
+"""Typed configuration: dataclasses documented on the field, loaded from YAML, overridden by
+`key=value`, checked in `__post_init__` (STYLE item 3).
+
+This module is the generic machinery plus the coordination section. Each component declares its
+own dataclass (rollout/config.py, train/config.py); the driver composes them. Resolution order:
+dataclass defaults <- YAML files (in order) <- `key=value` overrides. An unknown key is refused
+with the closest valid keys; a value of the wrong type is refused with the expected type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key a user must fix; the message says how."""
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING) -> Any:
+    """A documented config field. `help` is the one-line documentation configs/default.yaml repeats."""
+    if not help:
+        raise TypeError("every config field needs help text")
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"help": help})
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use factory= for mutable defaults")
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested config section (a dataclass field holding another config dataclass)."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+# -- type coercion ---------------------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} is a section; give a mapping of its keys, not {value!r}")
+        return _build(tp, value, key + ".")
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"{key} must be one of {_type_name(tp)} (got {value!r})")
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key} must be {_type_name(tp)} (got {value!r})")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key} must be null (got {value!r})")
+    if origin is list:
+        (item,) = get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list like [a, b] (got {value!r})")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        kt, vt = get_args(tp) or (str, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping like {{a: 1}} (got {value!r})")
+        return {str(k): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false (got {value!r})")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer (got {value!r})")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number (got {value!r})")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `model.path=123` parses as an int in YAML; a path is still a string
+        raise ConfigError(f"{key} must be a string (got {value!r})")
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def all_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a config dataclass, in declaration order."""
+    keys: list[str] = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys.extend(all_keys(tp, f"{prefix}{f.name}."))
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see configs/default.yaml for every key"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = _hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise _unknown_key(prefix + str(k), [prefix + n for n in names] + all_keys(cls, prefix))
+        kwargs[k] = _coerce(v, hints[k], prefix + k)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        # Name the section of a nested check so "must be positive" says which key.
+        msg = str(exc)
+        if prefix and not msg.startswith(prefix):
+            msg = f"{prefix}{msg}"
+        raise ConfigError(msg) from None
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    return _build(cls, data or {})
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+# -- YAML and overrides ----------------------------------------------------------------------
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=2e-4` -> ("train.lr", 0.0002). The value is parsed as YAML."""
+    if "=" not in text or text.startswith("="):
+        raise ConfigError(f"override {text!r} is not key=value (example: train.lr=2e-4)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc.problem})") from None
+    return key.strip(), value
+
+
+def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
+    valid = all_keys(cls)
+    sections = {k.rsplit(".", 1)[0] for k in valid if "." in k}
+    out = json.loads(json.dumps(data))  # deep copy of plain data
+    for text in overrides:
+        key, value = parse_override(text)
+        if key not in valid and not (key in sections and isinstance(value, dict)):
+            raise _unknown_key(key, valid)
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {p} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def load_yaml(path: Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def load(cls: type, yaml_files: list[Path] = (), overrides: list[str] = ()) -> Any:
+    data: dict = {}
+    for f in yaml_files:
+        data = _merge(data, load_yaml(f))
+    data = apply_overrides(cls, data, list(overrides))
+    return from_dict(cls, data)
+
+
+def config_hash(cfg: Any, exclude: tuple[str, ...] = ()) -> str:
+    """Stable hash of a resolved config; `exclude` lists top-level sections that do not change
+    what a run computes (for example logging) and so may differ between nodes."""
+    data = {k: v for k, v in to_dict(cfg).items() if k not in exclude}
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Dotted key -> help text, for documentation checks and `--help` of config keys."""
+    out: dict[str, str] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        out[f.name] = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(tp):
+            out.update({f"{f.name}.{k}": v for k, v in field_help(tp).items()})
+    return out
+
+
+def positive(value: float, key: str) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be positive (got {value!r})")
+
+
+def non_negative(value: float, key: str) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{key} must be zero or positive (got {value!r})")
+
+
+@dataclass
+class CoordinationConfig:
+    """How nodes find each other and how long they wait (DESIGN §5)."""
+
+    heartbeat_interval: float = option(5.0, "seconds between heartbeat rewrites of each rank")
+    peer_timeout: float = option(
+        120.0, "a peer whose heartbeat counter has not changed for this many seconds (on the reader's clock) is lost")
+    rejoin_timeout: float = option(
+        1800.0, "after a peer is lost, survivors wait this long for it to be restarted before they exit")
+    join_timeout: float = option(
+        600.0, "a worker waits this long for the master's run manifest before it gives up")
+    broken_record_timeout: float = option(
+        60.0, "a shared file that stays unreadable (half-written, corrupt) this long is reported as broken")
+    poll_min: float = option(0.02, "first polling interval of a wait, in seconds")
+    poll_max: float = option(1.0, "longest polling interval of a wait, in seconds")
+    dir_refresh_interval: float = option(
+        5.0, "seconds between directory listings that refresh negative-lookup caches (NFS) during a wait")
+    gc_keep_iterations: int = option(
+        3, "barrier folders of iterations older than this many iterations back are removed by the master")
+    master_addr: str = option(
+        "", "address other nodes use to reach the master (torchrun rendezvous); empty = this host's primary address")
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_interval", "peer_timeout", "rejoin_timeout", "join_timeout",
+                    "broken_record_timeout", "poll_min", "poll_max", "dir_refresh_interval"):
+            positive(getattr(self, key), key)
+        if self.peer_timeout <= 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"peer_timeout ({self.peer_timeout}) must exceed two heartbeat intervals "
+                f"({2 * self.heartbeat_interval}); raise peer_timeout or lower heartbeat_interval")
+        if self.poll_min > self.poll_max:
+            raise ConfigError(f"poll_min ({self.poll_min}) must not exceed poll_max ({self.poll_max})")
+        non_negative(self.gc_keep_iterations, "gc_keep_iterations")

@@ -1,0 +1,40 @@
+"""Logging with a rank/role prefix on every line (STYLE item 10).
+
+`setup("rank1 worker", log_file)` sends records to stderr and, when given, to a log file of the
+rank under logs/<job>/rank-R/. Everything else calls `logging.getLogger("baton.<area>")`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+_FMT = "%(asctime)s [{prefix}] %(levelname)s %(name)s: %(message)s"
+
+
+class _Prefix(logging.Formatter):
+    def __init__(self, prefix: str):
+        super().__init__(_FMT.format(prefix=prefix), datefmt="%H:%M:%S")
+
+
+def setup(prefix: str, log_file: Path | None = None, level: int = logging.INFO) -> logging.Logger:
+    """Configure the `baton` logger for this process. Safe to call again (replaces handlers)."""
+    root = logging.getLogger("baton")
+    root.setLevel(level)
+    root.propagate = False
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(_Prefix(prefix))
+    root.addHandler(stream)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(_Prefix(prefix))
+        root.addHandler(fh)
+    return root
+
+
+def get(name: str) -> logging.Logger:
+    return logging.getLogger(f"baton.{name}")

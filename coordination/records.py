@@ -1,0 +1,252 @@
+"""Atomic publication and validated reading of files on a shared filesystem (DESIGN §5 rules 1-3).
+
+Writers never expose a half-written file: they write a uniquely named temp file in the target's
+directory, fsync it, check `close`, and `os.replace` it over the target (never deleting the
+target first, never keeping the published file open). Exclusive creations (claims, GO, run.json)
+use O_EXCL and write the whole record in one call.
+
+JSON records carry a small envelope: format, kind, run_id, generation, wall time and a CRC of
+their canonical content, so a reader can tell "not there yet / half-written" (retry) from "there"
+and from "another run's file" (a different run_id).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+FORMAT = "baton/1"
+
+# Files are group-readable, never world-writable (protocol rule 11).
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+
+_HOST = socket.gethostname()
+
+
+class RecordError(Exception):
+    """A record that cannot be used."""
+
+
+class NotThereYet(RecordError):
+    """Missing, empty, half-written or failing its checksum: retry later."""
+
+
+class WrongRun(RecordError):
+    """A well-formed record that belongs to another run (different run_id)."""
+
+
+class BrokenRecord(RecordError):
+    """A record that stayed unreadable for longer than the caller's bound."""
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: str
+    run_id: str
+    generation: int
+    data: dict[str, Any]
+    wall_time: float
+    path: Path = field(compare=False)
+
+
+def ensure_dir(path: Path) -> Path:
+    """mkdir -p with the project's permissions (no world access)."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    return path
+
+
+def _temp_name(target: Path) -> Path:
+    # Unique per host, pid and call, in the target's own directory so os.replace stays atomic.
+    return target.with_name(f".{target.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the temp files `atomic_output` leaves behind when its writer dies."""
+    return name.startswith(".") and ".tmp-" in name
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename durable; some filesystems (FUSE, some NFS clients) refuse fsync on a
+    # directory, which is fine: the rename itself is already atomic for readers.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EPERM, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(target: Path) -> Iterator[Path]:
+    """Yield a temp path; on success fsync it and rename it onto `target` in one step.
+
+    Use for files written by libraries that want a path (Parquet, safetensors)."""
+    target = Path(target)
+    ensure_dir(target.parent)
+    tmp = _temp_name(target)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(target.parent)
+
+
+def publish_bytes(target: Path, data: bytes) -> None:
+    """Atomically replace `target` with `data`."""
+    with atomic_output(target) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)  # raises on a failed close (NFS reports write errors here)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _checksum(kind: str, run_id: str, generation: int, data: Any) -> str:
+    canon = json.dumps([kind, run_id, generation, data], sort_keys=True, separators=(",", ":"))
+    return f"{zlib.crc32(canon.encode()):08x}"
+
+
+def encode_record(kind: str, data: dict[str, Any], *, run_id: str, generation: int) -> bytes:
+    envelope = {
+        "format": FORMAT,
+        "kind": kind,
+        "run_id": run_id,
+        "generation": int(generation),
+        "wall_time": time.time(),
+        "data": data,
+        "crc": _checksum(kind, run_id, int(generation), data),
+    }
+    return (json.dumps(envelope, sort_keys=True, indent=1) + "\n").encode()
+
+
+def publish_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str, generation: int) -> None:
+    """Atomically publish a JSON record (replaces an older version of the same record)."""
+    publish_bytes(target, encode_record(kind, data, run_id=run_id, generation=generation))
+
+
+def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str, generation: int) -> bool:
+    """Create `target` exclusively (O_EXCL). True if this call created it, False if it existed.
+
+    The whole record goes out in one write; a reader that catches the tiny window before it
+    lands sees an empty or short file, which `read_record` reports as NotThereYet."""
+    target = Path(target)
+    ensure_dir(target.parent)
+    payload = encode_record(kind, data, run_id=run_id, generation=generation)
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except FileExistsError:
+        return False
+    try:
+        _write_all(fd, payload)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(target.parent)
+    return True
+
+
+def decode_record(raw: bytes, path: Path, *, kind: str | None = None, run_id: str | None = None) -> Record:
+    if not raw:
+        raise NotThereYet(f"{path}: empty (being written?)")
+    try:
+        env = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NotThereYet(f"{path}: not valid JSON yet ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+    if not isinstance(env, dict) or env.get("format") != FORMAT:
+        raise NotThereYet(f"{path}: not a {FORMAT} record")
+    try:
+        rkind, rrun, rgen, data, crc = env["kind"], env["run_id"], env["generation"], env["data"], env["crc"]
+    except KeyError as exc:
+        raise NotThereYet(f"{path}: record lacks {exc.args[0]!r}") from None
+    if crc != _checksum(rkind, rrun, rgen, data):
+        raise NotThereYet(f"{path}: checksum mismatch (truncated or altered)")
+    if kind is not None and rkind != kind:
+        raise NotThereYet(f"{path}: expected a {kind!r} record, found {rkind!r}")
+    if run_id is not None and rrun != run_id:
+        raise WrongRun(f"{path}: belongs to run {rrun}, not to this run {run_id}")
+    return Record(rkind, rrun, int(rgen), data, float(env.get("wall_time", 0.0)), Path(path))
+
+
+def read_record(path: Path, *, kind: str | None = None, run_id: str | None = None) -> Record:
+    """Read and validate one record. Raises NotThereYet for anything a retry may fix.
+
+    ESTALE (NFS: the file was replaced under an open handle) counts as "not there yet"."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise NotThereYet(f"{path}: does not exist") from None
+    except OSError as exc:
+        if exc.errno in (errno.ESTALE, errno.EIO, errno.EAGAIN):
+            raise NotThereYet(f"{path}: transient read error ({os.strerror(exc.errno)})") from None
+        raise
+    return decode_record(raw, Path(path), kind=kind, run_id=run_id)
+
+
+def try_read(path: Path, *, kind: str | None = None, run_id: str | None = None) -> Record | None:
+    """`read_record`, but None for anything not there yet (wrong-run records still raise)."""
+    try:
+        return read_record(path, kind=kind, run_id=run_id)
+    except NotThereYet:
+        return None
+
+
+class PatientReader:
+    """Reads records that may be half-written for a while, and reports those that stay broken.
+
+    A file that exists but does not validate is retried; once it has stayed broken for
+    `broken_after` seconds (on `clock`), `read` raises BrokenRecord naming the file and the
+    last problem. A missing file is simply "not there yet" and never broken."""
+
+    def __init__(self, broken_after: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.broken_after = broken_after
+        self.clock = clock
+        self._broken_since: dict[Path, float] = {}
+
+    def read(self, path: Path, *, kind: str | None = None, run_id: str | None = None) -> Record | None:
+        path = Path(path)
+        try:
+            rec = read_record(path, kind=kind, run_id=run_id)
+        except NotThereYet as exc:
+            if not path.exists():
+                self._broken_since.pop(path, None)
+                return None
+            since = self._broken_since.setdefault(path, self.clock())
+            if self.clock() - since > self.broken_after:
+                raise BrokenRecord(
+                    f"{exc} -- it has stayed unreadable for more than {self.broken_after:.0f} s; "
+                    f"inspect it, or remove it with `python -m coordination recover` so it is written again"
+                ) from None
+            return None
+        self._broken_since.pop(path, None)
+        return rec

@@ -1,0 +1,85 @@
+"""The trajectory schema and its only reader and writer (DESIGN §7).
+
+Rollout chunks, the aggregated `all.parquet` of an iteration and the trainer's inputs all use
+this one schema. Files are Parquet (no pickle), published atomically.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from coordination.records import atomic_output
+
+SCHEMA = pa.schema([
+    pa.field("task_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("prompt", pa.string()),                       # prompt text, for people and reports
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),  # sampling logprob of each completion token
+    pa.field("text", pa.string()),                         # decoded completion
+    pa.field("reward", pa.float32(), nullable=False),
+    pa.field("finish_reason", pa.string()),                # "stop" (eos) or "length"
+    pa.field("policy_iteration", pa.int32(), nullable=False),  # checkpoint iteration that sampled it (0 = base)
+    pa.field("iteration", pa.int32(), nullable=False),     # rollout iteration it belongs to
+    pa.field("split", pa.string(), nullable=False),        # "train" or "eval"
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("generation", pa.int32(), nullable=False),    # claim generation of the writing rank
+])
+
+COLUMNS = tuple(SCHEMA.names)
+
+
+class TrajectoryFileError(ValueError):
+    """A trajectory file that is missing, unreadable or of another schema; names the file."""
+
+
+def to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
+    rows = list(rows)
+    missing = [c for c in COLUMNS if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"trajectory rows lack columns {missing}")
+    return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+def write_table(path: Path, table: pa.Table) -> None:
+    """Publish `table` (already in SCHEMA) atomically at `path`."""
+    if table.schema != SCHEMA:
+        table = table.cast(SCHEMA)
+    with atomic_output(Path(path)) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    table = to_table(rows)
+    write_table(path, table)
+    return table.num_rows
+
+
+def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """Read one trajectory file, checking its schema. Errors name the file."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path, columns=columns)
+    except FileNotFoundError:
+        raise TrajectoryFileError(f"trajectory file {path} does not exist") from None
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TrajectoryFileError(f"trajectory file {path} is unreadable: {exc}") from None
+    wanted = columns or list(COLUMNS)
+    missing = [c for c in wanted if c not in table.column_names]
+    if missing:
+        raise TrajectoryFileError(f"trajectory file {path} lacks columns {missing}; was it written by baton?")
+    expected = pa.schema([SCHEMA.field(c) for c in wanted])
+    if table.select(wanted).schema.remove_metadata() != expected.remove_metadata():
+        try:
+            table = table.select(wanted).cast(expected)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise TrajectoryFileError(f"trajectory file {path} has an incompatible schema: {exc}") from None
+    return table
+
+
+def read_rows(path: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:
+    return read_table(path, columns).to_pylist()

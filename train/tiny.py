@@ -1,0 +1,106 @@
+"""A tiny Llama checkpoint for CPU runs, tests and the demo.
+
+`python -m train.tiny --out DIR` writes a complete Hugging Face folder (config, safetensors
+weights, tokenizer, generation config) that transformers and vLLM on CPU load as they are.
+
+Choices and their reasons (../shared/FIELD-NOTES.md):
+- Llama, not Qwen2: with a Qwen2 config AutoTokenizer forces Qwen2Tokenizer, whose byte-level
+  pre-tokenizer drops spaces and newlines.
+- head_dim 32: vLLM's CPU attention needs head_dim >= 32.
+- a character-level WordLevel tokenizer with a Fuse decoder, so decoding adds no spaces.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+# Printable ASCII plus newline: enough for arithmetic, chat role markers and short prose.
+CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_tokenizer():
+    """A PreTrainedTokenizerFast over single characters; prepends <bos> to every encoded text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK] + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        chat_template=CHAT_TEMPLATE, model_max_length=4096, clean_up_tokenization_spaces=False)
+
+
+def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_heads: int,
+                       intermediate: int, max_positions: int):
+    from transformers import LlamaConfig
+
+    if hidden % heads:
+        raise click.UsageError(f"--hidden ({hidden}) must be divisible by --heads ({heads})")
+    if hidden // heads < 32:
+        raise click.UsageError(
+            f"head_dim = hidden/heads = {hidden // heads} is below 32, which vLLM's CPU backend refuses; "
+            f"raise --hidden or lower --heads")
+    if heads % kv_heads:
+        raise click.UsageError(f"--heads ({heads}) must be divisible by --kv-heads ({kv_heads})")
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden // heads, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+
+
+def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                     intermediate: int = 384, max_positions: int = 256, seed: int = 0) -> Path:
+    """Write a randomly initialised tiny Llama folder to `out` (created; must be empty or absent)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise click.UsageError(f"--out {out} is not empty; choose a new folder or remove it first")
+    tokenizer = build_tokenizer()
+    config = build_model_config(tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                intermediate=intermediate, max_positions=max_positions)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, max_new_tokens=16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    (out / "baton-tiny.json").write_text(json.dumps({"parameters": n_params, "seed": seed}) + "\n")
+    return out
+
+
+@click.command()
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="folder to write (new or empty)")
+@click.option("--hidden", default=128, show_default=True)
+@click.option("--layers", default=4, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--kv-heads", default=2, show_default=True)
+@click.option("--intermediate", default=384, show_default=True)
+@click.option("--max-positions", default=256, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def main(out: Path, **kw) -> None:
+    """Write a tiny character-level Llama checkpoint for CPU runs."""
+    path = write_tiny_model(out, **kw)
+    n = json.loads((path / "baton-tiny.json").read_text())["parameters"]
+    click.echo(f"wrote tiny Llama ({n:,} parameters) to {path}")
+
+
+if __name__ == "__main__":
+    main()
