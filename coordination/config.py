@@ -225,12 +225,36 @@ def load(cls: type, yaml_files: list[Path] = (), overrides: list[str] = ()) -> A
     return from_dict(cls, data)
 
 
-def config_hash(cfg: Any, exclude: tuple[str, ...] = ()) -> str:
-    """Stable hash of a resolved config; `exclude` lists top-level sections that do not change
-    what a run computes (for example logging) and so may differ between nodes."""
-    data = {k: v for k, v in to_dict(cfg).items() if k not in exclude}
-    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def dict_hash(data: dict, exclude: tuple[str, ...] = ()) -> str:
+    """Stable hash of resolved config data. `exclude` names dotted keys or sections that do not
+    change what a run computes (logging, node-local settings) and so may differ between nodes."""
+    flat = {k: v for k, v in flatten(data).items()
+            if not any(k == e or k.startswith(e + ".") for e in exclude)}
+    canon = json.dumps(flat, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def config_hash(cfg: Any, exclude: tuple[str, ...] = ()) -> str:
+    return dict_hash(to_dict(cfg), exclude)
+
+
+def differences(a: dict, b: dict, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Human-readable `key: a -> b` lines for two config dicts."""
+    fa, fb = flatten(a), flatten(b)
+    keys = sorted(set(fa) | set(fb))
+    return [f"{k}: {fa.get(k, '<absent>')!r} -> {fb.get(k, '<absent>')!r}" for k in keys
+            if fa.get(k) != fb.get(k) and not any(k == e or k.startswith(e + ".") for e in exclude)]
 
 
 def dump_yaml(cfg: Any) -> str:

@@ -112,6 +112,22 @@ class RunLayout:
     def training_plan(self, iteration: int) -> Path:
         return self.training_dir(iteration) / "plan.json"
 
+    def training_shard(self, iteration: int, rank: int) -> Path:
+        """Trainer rank `rank`'s share of the prepared training data (Parquet)."""
+        return self.training_dir(iteration) / f"rank-{rank}.parquet"
+
+    @classmethod
+    def from_training_plan(cls, plan: Path) -> tuple["RunLayout", int]:
+        """(layout, iteration) of a `training/iter-N/plan.json` path, so that the trainer needs only
+        `--plan` and works wherever a node mounts the run directory."""
+        plan = Path(plan).absolute()
+        iteration = iteration_number(plan.parent.name)
+        layout = cls(plan.parent.parent.parent)
+        if iteration is None or layout.training_plan(iteration) != plan:
+            raise ValueError(f"{plan} is not a training plan path of a run directory "
+                             f"(expected <log-path>/training/iter-N/plan.json)")
+        return layout, iteration
+
     def training_result(self, iteration: int, attempt: int, rank: int) -> Path:
         """Per-trainer-rank summary of one attempt (loss, tokens/s, ...)."""
         return self.training_dir(iteration) / f"attempt-{attempt}" / f"result-rank-{rank}.json"
@@ -131,6 +147,12 @@ class RunLayout:
     @property
     def checkpoint_staging_dir(self) -> Path:
         return self.checkpoints_dir / ".staging"
+
+    @property
+    def checkpoint_trash_dir(self) -> Path:
+        """Retention renames a checkpoint here before deleting it, so that a reader sees a
+        checkpoint folder either whole or not at all."""
+        return self.checkpoints_dir / ".trash"
 
     @property
     def latest(self) -> Path:
@@ -160,6 +182,14 @@ class RunLayout:
     def report_dir(self) -> Path:
         return self.root / "report"
 
+    def bench_result(self, job: str, rank: int) -> Path:
+        """Per-rank numbers of `python -m coordination.bench` runs."""
+        return self.root / "bench" / f"{job}-rank-{rank}.json"
+
+    def bench_work(self, job: str, rank: int) -> Path:
+        """Log of the benchmark job's phase actions (tests check that none ran twice)."""
+        return self.root / "bench" / f"{job}-rank-{rank}-actions.jsonl"
+
 
 @dataclass(frozen=True)
 class JobLayout:
@@ -179,6 +209,11 @@ class JobLayout:
     @property
     def master_json(self) -> Path:
         return self.root / "master.json"
+
+    @property
+    def progress_json(self) -> Path:
+        """The last iteration this job completed (rewritten by its master at every iteration end)."""
+        return self.root / "progress.json"
 
     @property
     def nodes_dir(self) -> Path:

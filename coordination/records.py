@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from coordination import fsops
+
 FORMAT = "baton/1"
 
 # Files are group-readable, never world-writable (protocol rule 11).
@@ -74,22 +76,6 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and ".tmp-" in name
 
 
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename durable; some filesystems (FUSE, some NFS clients) refuse fsync on a
-    # directory, which is fine: the rename itself is already atomic for readers.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EPERM, errno.EACCES):
-            raise
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_output(target: Path) -> Iterator[Path]:
     """Yield a temp path; on success fsync it and rename it onto `target` in one step.
@@ -111,17 +97,33 @@ def atomic_output(target: Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(target.parent)
 
 
-def publish_bytes(target: Path, data: bytes) -> None:
-    """Atomically replace `target` with `data`."""
-    with atomic_output(target) as tmp:
+def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
+    """Atomically replace `target` with `data`.
+
+    `durable=False` skips the fsync, for files that are rewritten every few seconds and worth
+    nothing after a power loss (heartbeats); the rename keeps them atomic for readers."""
+    target = Path(target)
+    fsops.count("publish", 2)  # create + rename
+    tmp = _temp_name(target)
+    try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    except FileNotFoundError:
+        ensure_dir(target.parent)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
         try:
             _write_all(fd, data)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)  # raises on a failed close (NFS reports write errors here)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -149,9 +151,10 @@ def encode_record(kind: str, data: dict[str, Any], *, run_id: str, generation: i
     return (json.dumps(envelope, sort_keys=True, indent=1) + "\n").encode()
 
 
-def publish_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str, generation: int) -> None:
+def publish_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str, generation: int,
+                   durable: bool = True) -> None:
     """Atomically publish a JSON record (replaces an older version of the same record)."""
-    publish_bytes(target, encode_record(kind, data, run_id=run_id, generation=generation))
+    publish_bytes(target, encode_record(kind, data, run_id=run_id, generation=generation), durable=durable)
 
 
 def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str, generation: int) -> bool:
@@ -162,6 +165,7 @@ def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str,
     target = Path(target)
     ensure_dir(target.parent)
     payload = encode_record(kind, data, run_id=run_id, generation=generation)
+    fsops.count("create")
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
@@ -171,7 +175,6 @@ def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str,
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(target.parent)
     return True
 
 
@@ -201,6 +204,7 @@ def read_record(path: Path, *, kind: str | None = None, run_id: str | None = Non
     """Read and validate one record. Raises NotThereYet for anything a retry may fix.
 
     ESTALE (NFS: the file was replaced under an open handle) counts as "not there yet"."""
+    fsops.count("open")
     try:
         with open(path, "rb") as fh:
             raw = fh.read()

@@ -1,0 +1,230 @@
+"""Run identity and joining (DESIGN §4, §5 rule 10).
+
+- `run.json` (created once, O_EXCL, by the first master): run_id and the config hash it began with.
+- `config.yaml`: the resolved config now in force; a change accepted with `--resume` is
+  recorded under `config-changes/` before config.yaml is replaced, so nothing changes silently.
+- `jobs/<job>/job.json` (O_EXCL, by the job's master): num_nodes and rank weights.
+- `jobs/<job>/master.json`: where the job's master is (address for torchrun, host, pid, generation).
+
+Every node checks what it finds against what it was started with and refuses a mismatch with a
+message that shows both values.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordination.clock import Backoff, Clock
+from coordination.config import dict_hash, differences
+from coordination.layout import JobLayout, RunLayout
+from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, publish_bytes,
+                                  publish_record, read_record, try_read)
+
+log = logging.getLogger("baton.manifest")
+
+# Config keys that may differ between nodes without changing what the run computes.
+NODE_LOCAL_KEYS = ("logging", "coordination.master_addr", "inference.vllm.python", "inference.vllm.env",
+                   "train.socket_ifname")
+
+
+class JoinRefused(RuntimeError):
+    """This node may not join the run in the log path; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    run_id: str
+    config_hash: str
+    created_by: str
+
+
+def check_log_path(root: Path) -> None:
+    """Create the run directory if needed; refuse a world-writable one (protocol rule 11)."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise JoinRefused(f"--log-path {root} exists and is not a directory; give a folder on the shared filesystem")
+    ensure_dir(root)
+    mode = root.stat().st_mode
+    if mode & stat.S_IWOTH:
+        raise JoinRefused(
+            f"--log-path {root} is world-writable (mode {stat.filemode(mode)}); anyone on the cluster could "
+            f"forge coordination files. Run `chmod o-w {root}` (and keep it group-writable for your team) and retry.")
+
+
+def _hash_of(config: dict) -> str:
+    return dict_hash(config, NODE_LOCAL_KEYS)
+
+
+def read_config_yaml(layout: RunLayout) -> dict | None:
+    try:
+        text = layout.config_yaml.read_text()
+    except FileNotFoundError:
+        return None
+    data = yaml.safe_load(text)
+    return data if isinstance(data, dict) else None
+
+
+def read_run(layout: RunLayout) -> RunInfo | None:
+    try:
+        rec = try_read(layout.run_json, kind="run")
+    except RecordError:
+        return None
+    if rec is None:
+        return None
+    return RunInfo(rec.run_id, rec.data["config_hash"], rec.data.get("created_by", "?"))
+
+
+def _foreign_entries(layout: RunLayout) -> list[str]:
+    # config.yaml alone is what a master leaves when it dies between writing it and run.json.
+    return sorted(n for n in os.listdir(layout.root)
+                  if not is_temp_name(n) and n != layout.config_yaml.name)
+
+
+def open_run_as_master(layout: RunLayout, config: dict, *, resume: bool) -> RunInfo:
+    """Create the run, or join/resume the one already in the log path."""
+    check_log_path(layout.root)
+    new_hash = _hash_of(config)
+    info = read_run(layout)
+    if info is None:
+        if layout.run_json.exists():
+            raise JoinRefused(f"{layout.run_json} exists but is not a valid baton run record; "
+                              f"inspect it or use an empty --log-path")
+        stray = _foreign_entries(layout)
+        if stray:
+            raise JoinRefused(
+                f"--log-path {layout.root} is not empty ({', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}) "
+                f"and holds no baton run; choose an empty folder for a new run")
+        run_id = uuid.uuid4().hex[:12]
+        me = f"{socket.gethostname()}:{os.getpid()}"
+        _publish_config(layout, config)
+        if create_record(layout.run_json, "run", {"config_hash": new_hash, "created_by": me},
+                         run_id=run_id, generation=0):
+            log.info("created run %s in %s", run_id, layout.root)
+            return RunInfo(run_id, new_hash, me)
+        info = read_run(layout)  # another job's master created it a moment ago
+        if info is None:
+            raise JoinRefused(f"{layout.run_json} appeared but is unreadable; retry in a few seconds")
+    _check_or_resume_config(layout, info, config, resume=resume, role="master")
+    return info
+
+
+def join_run_as_worker(layout: RunLayout, config: dict, *, join_timeout: float, clock: Clock | None = None,
+                       poll_max: float = 1.0) -> RunInfo:
+    """Wait (bounded) for the master's run manifest, then check this node's config against it."""
+    clock = clock or Clock()
+    check_log_path(layout.root)
+    deadline = clock.monotonic() + join_timeout
+    backoff = Backoff(0.05, poll_max)
+    next_note = clock.monotonic() + 30
+    while True:
+        info = read_run(layout)
+        if info is not None and layout.config_yaml.exists():
+            break
+        now = clock.monotonic()
+        if now > deadline:
+            raise JoinRefused(
+                f"no run manifest appeared at {layout.run_json} within {join_timeout:.0f} s (coordination.join_timeout). "
+                f"Is the master running with --log-path {layout.root}, and is that folder the same shared "
+                f"filesystem on both nodes (the same NFS/Lustre mount, not a local folder of the same name)?")
+        if now >= next_note:
+            log.info("waiting for the master to create %s (%.0f s left)", layout.run_json, deadline - now)
+            next_note = now + 30
+        clock.sleep(backoff.next())
+    _check_or_resume_config(layout, info, config, resume=False, role="worker")
+    return info
+
+
+def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, resume: bool, role: str) -> None:
+    current = read_config_yaml(layout)
+    if current is None:
+        raise JoinRefused(f"{layout.config_yaml} is missing or unreadable; the run in {layout.root} is damaged")
+    if _hash_of(current) == _hash_of(config):
+        return
+    diff = differences(current, config, NODE_LOCAL_KEYS)
+    shown = "\n  ".join(diff[:20])
+    if not resume or role != "master":
+        how = ("start the master with --resume to continue this run with the new config, or use a new --log-path"
+               if role == "master" else
+               "start this node with exactly the master's config and key=value overrides")
+        raise JoinRefused(
+            f"this node's config differs from the run in {layout.root} (run {info.run_id}, config hash "
+            f"{_hash_of(current)} there, {_hash_of(config)} here):\n  {shown}\n{how}")
+    n = len(list(layout.config_changes_dir.glob("change-*.json"))) + 1 if layout.config_changes_dir.exists() else 1
+    publish_record(layout.config_change(n), "config-change",
+                   {"from_hash": _hash_of(current), "to_hash": _hash_of(config), "changes": diff,
+                    "by": f"{socket.gethostname()}:{os.getpid()}"}, run_id=info.run_id, generation=0)
+    _publish_config(layout, config)
+    log.warning("--resume: continuing run %s with a changed config (recorded in %s):\n  %s",
+                info.run_id, layout.config_change(n), shown)
+
+
+def _publish_config(layout: RunLayout, config: dict) -> None:
+    publish_bytes(layout.config_yaml, yaml.safe_dump(config, sort_keys=False).encode())
+
+
+# -- jobs ------------------------------------------------------------------------------------
+
+def ensure_job(job: JobLayout, run_id: str, facts: dict[str, Any], *, master: bool) -> dict[str, Any]:
+    """The job's master creates job.json once; everyone else (and a restarted master) must agree."""
+    if master:
+        create_record(job.job_json, "job", facts, run_id=run_id, generation=0)
+    try:
+        rec = read_record(job.job_json, kind="job", run_id=run_id)
+    except RecordError as exc:
+        raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
+    theirs = rec.data
+    bad = [f"{k}: {theirs.get(k)!r} in the run, {v!r} here" for k, v in facts.items() if theirs.get(k) != v]
+    if bad:
+        raise JoinRefused(f"job {job.name} in {job.run.root} was started with other settings:\n  " + "\n  ".join(bad) +
+                          "\nstart this node with the same --num-nodes and --rank-weights as the master, "
+                          "or use a new --log-path")
+    return theirs
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr in ("localhost",)
+
+
+def master_address(configured: str) -> str:
+    """The address workers use to reach this master: the configured one, else this host's address."""
+    if configured:
+        return configured
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def publish_master(job: JobLayout, run_id: str, generation: int, addr: str) -> None:
+    publish_record(job.master_json, "master",
+                   {"host": socket.gethostname(), "addr": addr, "pid": os.getpid()},
+                   run_id=run_id, generation=generation)
+
+
+def read_master(job: JobLayout, run_id: str) -> dict | None:
+    try:
+        rec = try_read(job.master_json, kind="master", run_id=run_id)
+    except RecordError:
+        return None
+    return None if rec is None else dict(rec.data, generation=rec.generation)
+
+
+def check_master_reachable(master: dict) -> None:
+    """Refuse a loopback master address seen from another host (protocol rule 10)."""
+    if _is_loopback(master["addr"]) and master["host"] != socket.gethostname():
+        raise JoinRefused(
+            f"the master (host {master['host']}) advertises the loopback address {master['addr']}, which this "
+            f"host ({socket.gethostname()}) cannot reach. Set coordination.master_addr=<the master's address on "
+            f"the cluster network> on the master (for example its InfiniBand or Ethernet IP) and restart it.")

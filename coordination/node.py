@@ -1,0 +1,169 @@
+"""One rank's identity in a job, and the bounded wait every coordination step uses.
+
+`Node.join(...)` takes the rank's claim and starts its heartbeat; `Node.wait_for(...)` polls known
+file names with backoff while judging the peers it waits for (DESIGN §5 rules 5, 6 and 9):
+a lost peer is named with its host, last phase and the command that restarts it; the wait goes
+on for `rejoin_timeout` so the peer can come back; after that it raises `PeerLost`.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+from coordination import fsops
+from coordination.claims import KIND as CLAIM_KIND, RankClaim
+from coordination.clock import Backoff, Clock
+from coordination.config import CoordinationConfig
+from coordination.heartbeat import HeartbeatWriter, LivenessTracker, PeerView
+from coordination.layout import JobLayout, RunLayout
+from coordination.records import RecordError, try_read
+
+log = logging.getLogger("baton.node")
+
+T = TypeVar("T")
+
+
+class PeerLost(RuntimeError):
+    """A peer stayed lost past rejoin_timeout."""
+
+
+@dataclass
+class Node:
+    layout: RunLayout
+    job: JobLayout
+    run_id: str
+    rank: int
+    num_nodes: int
+    cfg: CoordinationConfig
+    clock: Clock = field(default_factory=Clock)
+    generation: int = 0
+    claim: RankClaim | None = None
+    heartbeat: HeartbeatWriter | None = None
+
+    def __post_init__(self) -> None:
+        self.liveness = LivenessTracker(self.cfg.peer_timeout, self.clock)
+        self._lost_since: dict[int, float] = {}
+        self._hints: dict[int, str] = {}
+        # Every wait: what it waited for, how long, and the metadata operations made meanwhile.
+        self.waits: list[dict] = []
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def role(self) -> str:
+        return "master" if self.is_master else f"worker {self.rank}"
+
+    @classmethod
+    def join(cls, layout: RunLayout, job: str, rank: int, num_nodes: int, *, run_id: str,
+             cfg: CoordinationConfig, command: str = "", clock: Clock | None = None) -> "Node":
+        """Claim `rank` (refusing a live duplicate) and start heartbeating."""
+        clock = clock or Clock()
+        jl = layout.job(job)
+        claim = RankClaim(jl, rank, run_id=run_id, cfg=cfg, clock=clock, command=command)
+        gen = claim.acquire()
+        node = cls(layout, jl, run_id, rank, num_nodes, cfg, clock, gen, claim)
+        node.heartbeat = HeartbeatWriter(
+            jl.heartbeat(rank), run_id=run_id, generation=gen, job=job, rank=rank,
+            interval=cfg.heartbeat_interval, clock=clock, fenced=claim.is_fenced).start()
+        return node
+
+    def close(self, final_state: str = "exited", message: str | None = None) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop(final_state, message)
+        if self.claim is not None:
+            self.claim.release()
+
+    # -- what this rank says ----------------------------------------------------------------
+    def say(self, message: str, *, beat: bool = False, **fields) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.update(message=message, beat=beat, **fields)
+
+    def check_fence(self, probe: bool = True) -> None:
+        if self.claim is not None:
+            self.claim.check(probe)
+
+    # -- peers -----------------------------------------------------------------------------
+    def peer_view(self, rank: int) -> PeerView:
+        return self.liveness.read(self.job.heartbeat(rank), rank, run_id=self.run_id)
+
+    def restart_hint(self, rank: int) -> str:
+        """The command the peer was started with (from its claim), to print when it is lost."""
+        if rank not in self._hints:
+            hint = ""
+            for gen in reversed(self.job.claim_generations(rank)):
+                try:
+                    rec = try_read(self.job.claim(rank, gen), kind=CLAIM_KIND)
+                except RecordError:
+                    rec = None
+                if rec is not None:
+                    cmd = rec.data.get("command") or ""
+                    hint = f"on host {rec.data.get('host')}: {cmd}" if cmd else f"on host {rec.data.get('host')}"
+                    break
+            self._hints[rank] = hint or f"with the same scripts/run.sh command it was started with (--worker {rank})"
+        return self._hints[rank]
+
+    def _check_peers(self, peers: Iterable[int], what: str) -> None:
+        now = self.clock.monotonic()
+        for r in peers:
+            view = self.peer_view(r)
+            if view.lost or view.exited:
+                if r not in self._lost_since:
+                    self._lost_since[r] = now
+                    reason = ("exited" if view.exited and not view.lost else "lost")
+                    never = " It never joined: is it running with the same --log-path on the same shared " \
+                            "filesystem?" if view.record is None else ""
+                    log.error("%s while waiting for %s: %s.%s Restart it %s. Waiting up to %.0f s "
+                              "(coordination.rejoin_timeout) for it to come back.", f"rank {r} {reason}", what,
+                              view.describe(), never, self.restart_hint(r), self.cfg.rejoin_timeout)
+                elif now - self._lost_since[r] > self.cfg.rejoin_timeout:
+                    raise PeerLost(
+                        f"rank {r} did not come back within {self.cfg.rejoin_timeout:.0f} s while this node waited "
+                        f"for {what} ({view.describe()}). Restart every node with its original command to "
+                        f"resume the run from where it stopped.")
+            elif r in self._lost_since:
+                log.warning("rank %d is back (%s)", r, view.describe())
+                del self._lost_since[r]
+                self._hints.pop(r, None)
+
+    def wait_for(self, probe: Callable[[], T | None], *, what: str, peers: Callable[[], Iterable[int]],
+                 dirs: Iterable[Path] = (), status_every: float = 30.0) -> T:
+        """Poll `probe` until it returns a value. Bounded: lost peers end the wait after rejoin_timeout."""
+        backoff = Backoff(self.cfg.poll_min, self.cfg.poll_max)
+        dirs = list(dirs)
+        start = self.clock.monotonic()
+        next_refresh = start + self.cfg.dir_refresh_interval
+        next_liveness = start + min(self.cfg.heartbeat_interval / 2, 2.0)
+        next_status = start + status_every
+        self._lost_since.clear()
+        ops0 = fsops.total()
+        while True:
+            self.check_fence(probe=False)  # the lease flag; the claim stat runs with the liveness checks
+            result = probe()
+            if result is not None:
+                self.waits.append({"what": what, "seconds": self.clock.monotonic() - start,
+                                   "ops": fsops.total() - ops0})
+                return result
+            now = self.clock.monotonic()
+            if now >= next_liveness:
+                self.check_fence()
+                self._check_peers(list(peers()), what)
+                next_liveness = now + min(self.cfg.heartbeat_interval / 2, 2.0)
+            if now >= next_refresh:
+                for d in dirs:
+                    fsops.refresh_dir(d)
+                next_refresh = now + self.cfg.dir_refresh_interval
+            if now >= next_status:
+                waiting = list(peers())
+                views = "; ".join(self.peer_view(r).describe() for r in waiting[:4])
+                log.info("still waiting for %s after %.0f s: %s", what, now - start, views or "-")
+                next_status = now + status_every
+            self.clock.sleep(backoff.next())
+
+
+def host() -> str:
+    return socket.gethostname()

@@ -1,0 +1,240 @@
+"""The phase runner: one loop executes a table of phases for one rank (STYLE item 2).
+
+Knows nothing of RL. Each row names who acts, the action, whether it ends in a barrier and how
+the master decides there. Progress is read back from this rank's own arrival files, so a
+restarted rank resumes at the first phase it has not arrived at, and phases it finished are not
+run again (DESIGN §5 rule 8). A failed action is a decision, not a hang (rule 9): the failing
+rank reports the error at the next barrier and the master's GO says retry, abort or go on.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from coordination import timeline
+from coordination.barrier import Arrival, Barrier, Decision, Go
+from coordination.claims import Fenced
+from coordination.layout import iteration_number
+from coordination.node import Node, PeerLost
+from coordination.phases import PhaseSpec
+from coordination.records import RecordError, publish_record, try_read
+
+log = logging.getLogger("baton.runner")
+
+
+class PhaseFailed(RuntimeError):
+    """The master's GO said abort; the message carries its reason."""
+
+
+@dataclass
+class Verdict:
+    decision: Decision
+    reason: str = ""
+    payload: dict = field(default_factory=dict)
+
+
+@dataclass
+class Step:
+    """What an action sees: where it is and what the master decided so far this iteration."""
+
+    node: Node
+    iteration: int
+    spec: PhaseSpec
+    attempt: int
+    gos: dict[int, Go]
+    retry: Go | None = None  # the GO that asked for this attempt
+
+    def go_payload(self, phase: int) -> dict:
+        go = self.gos.get(phase)
+        return go.payload if go else {}
+
+
+Action = Callable[[Step], "dict | None"]
+Decide = Callable[[Step, "dict[int, Arrival]"], Verdict]
+
+
+@dataclass
+class Phase:
+    spec: PhaseSpec
+    action: Action | None = None          # run by spec.who before arriving
+    decide: Decide | None = None          # barrier only: the master's decision once all arrived
+    enabled: Callable[[Step], bool] | None = None
+    max_attempts: int = 1
+
+
+def default_decide(step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+    failed = {r: a for r, a in arrivals.items() if not a.ok}
+    if not failed:
+        return Verdict("continue")
+    return Verdict("abort", failure_summary(step, failed))
+
+
+def failure_summary(step: Step, failed: dict[int, Arrival]) -> str:
+    parts = [f"rank {r}: {a.error}" for r, a in sorted(failed.items())]
+    return f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(parts)
+
+
+@dataclass
+class Outcome:
+    iterations_run: int
+    stopped: str
+
+
+class PhaseRunner:
+    def __init__(self, node: Node, phases: list[Phase], *, max_iterations: int,
+                 stop_requested: Callable[[], str | None] = lambda: None, gc_keep_iterations: int = 3):
+        if not phases:
+            raise ValueError("a job needs at least one phase")
+        self.node = node
+        self.phases = phases
+        self.max_iterations = max_iterations
+        self.stop_requested = stop_requested
+        self.gc_keep = gc_keep_iterations
+        barriers = [p for p in phases if p.spec.barrier]
+        if not barriers:
+            raise ValueError("a job's phase table must contain at least one barrier")
+        self.final = barriers[-1].spec.number
+        self._error: str | None = None
+
+    # -- progress ----------------------------------------------------------------------------
+    def progress(self) -> dict:
+        try:
+            rec = try_read(self.node.job.progress_json, kind="progress", run_id=self.node.run_id)
+        except RecordError:
+            rec = None
+        return rec.data if rec else {"completed_iteration": 0, "stopped": None}
+
+    def _event(self, it: int, spec: PhaseSpec, attempt: int, event: str, **extra) -> None:
+        timeline.append(self.node.job.timeline(self.node.rank), dict(
+            job=self.node.job.name, rank=self.node.rank, generation=self.node.generation, iteration=it,
+            phase=spec.number, name=spec.name, attempt=attempt, event=event, wall=self.node.clock.wall(), **extra))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        prog = self.progress()
+        if prog.get("stopped"):
+            return Outcome(0, f"the run already stopped after iteration {prog['completed_iteration']}: "
+                              f"{prog['stopped']}")
+        it = int(prog.get("completed_iteration", 0)) + 1
+        ran = 0
+        while True:
+            if it > self.max_iterations:
+                return Outcome(ran, f"max_iterations ({self.max_iterations}) reached")
+            go = self.run_iteration(it)
+            ran += 1
+            if go.decision == "stop":
+                return Outcome(ran, go.reason)
+            it += 1
+
+    def run_iteration(self, it: int) -> Go:
+        self._error = None
+        gos: dict[int, Go] = {}
+        final_go: Go | None = None
+        for phase in self.phases:
+            go = self._run_phase(phase, it, gos)
+            if go is not None:
+                gos[phase.spec.number] = go
+                if phase.spec.number == self.final:
+                    final_go = go
+        assert final_go is not None
+        return final_go
+
+    def _acts(self, spec: PhaseSpec) -> bool:
+        return spec.who == "all" or self.node.is_master
+
+    def _run_phase(self, phase: Phase, it: int, gos: dict[int, Go]) -> Go | None:
+        spec, node = phase.spec, self.node
+        attempt, retry = 1, None
+        while True:
+            step = Step(node, it, spec, attempt, gos, retry)
+            if phase.enabled is not None and not phase.enabled(step):
+                return None
+            barrier = Barrier(node, it, spec.number, spec.name, attempt)
+            go = barrier.read_go() if spec.barrier else None
+            if go is None:
+                self._arrive(phase, step, barrier)
+                if not spec.barrier:
+                    return None
+                go = self._release(phase, step, barrier) if node.is_master else self._wait_go(step, barrier)
+            if go.decision == "retry":
+                log.warning("%s: the master asked for attempt %d: %s", barrier.label, attempt + 1, go.reason)
+                attempt, retry = attempt + 1, go
+                self._error = None
+                continue
+            if go.decision == "abort":
+                raise PhaseFailed(go.reason)
+            return go
+
+    def _arrive(self, phase: Phase, step: Step, barrier: Barrier) -> None:
+        spec, node = phase.spec, self.node
+        if not self._acts(spec):
+            return
+        if barrier.own_arrival() is not None:
+            return  # done before a restart (by this process or its predecessor generation)
+        ok, error, payload = True, None, {}
+        if self._error is not None:
+            ok, error = False, self._error  # an earlier phase of this iteration failed here
+        elif phase.action is not None:
+            node.say(f"phase {spec.number} {spec.name}", beat=True, iteration=step.iteration, phase=spec.number,
+                     phase_name=spec.name)
+            self._event(step.iteration, spec, step.attempt, "start")
+            try:
+                payload = phase.action(step) or {}
+            except (Fenced, PeerLost):
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported to the master, which decides
+                node.check_fence()  # a fenced process's failure is not news for anyone
+                log.error("phase %d %s failed:\n%s", spec.number, spec.name, traceback.format_exc())
+                ok, error = False, f"{type(exc).__name__}: {exc}"
+                self._error = f"phase {spec.number} {spec.name}: {error}"
+            self._event(step.iteration, spec, step.attempt, "end", ok=ok)
+        if spec.barrier or ok:
+            barrier.arrive(ok, error, payload)
+
+    def _release(self, phase: Phase, step: Step, barrier: Barrier) -> Go:
+        node = self.node
+        self._event(step.iteration, step.spec, step.attempt, "wait-start")
+        arrivals = barrier.wait_arrivals(list(range(node.num_nodes)))
+        verdict = (phase.decide or default_decide)(step, arrivals)
+        if verdict.decision == "retry" and step.attempt >= phase.max_attempts:
+            verdict = Verdict("abort", f"{verdict.reason} (attempt {step.attempt} of {phase.max_attempts}: "
+                                       f"no attempts left)")
+        if step.spec.number == self.final and verdict.decision == "continue":
+            reason = self.stop_requested()
+            if reason is None and step.iteration >= self.max_iterations:
+                reason = f"max_iterations ({self.max_iterations}) reached"
+            if reason is not None:
+                verdict = Verdict("stop", reason, verdict.payload)
+        go = barrier.release(verdict.decision, verdict.reason, verdict.payload, arrivals)
+        self._event(step.iteration, step.spec, step.attempt, "wait-end", decision=go.decision)
+        if step.spec.number == self.final and go.decision in ("continue", "stop"):
+            # Written after GO: a master that dies in between resumes this iteration, finds every
+            # GO in place and passes through; written before, it would skip a GO nobody created.
+            publish_record(node.job.progress_json, "progress",
+                           {"completed_iteration": step.iteration,
+                            "stopped": go.reason if go.decision == "stop" else None},
+                           run_id=node.run_id, generation=node.generation)
+            self.collect_garbage(step.iteration)
+        return go
+
+    def _wait_go(self, step: Step, barrier: Barrier) -> Go:
+        self._event(step.iteration, step.spec, step.attempt, "wait-start")
+        go = barrier.wait_go()
+        self._event(step.iteration, step.spec, step.attempt, "wait-end", decision=go.decision)
+        return go
+
+    def collect_garbage(self, iteration: int) -> list[int]:
+        """Remove barrier folders of iterations older than the keep window (master only)."""
+        removed = []
+        sync = self.node.job.sync_dir
+        if not sync.exists():
+            return removed
+        for d in sync.iterdir():
+            n = iteration_number(d.name)
+            if n is not None and n <= iteration - self.gc_keep:
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(n)
+        return sorted(removed)
