@@ -104,11 +104,16 @@ class Barrier:
                     return None
                 got[r] = a
                 pending.pop(0)
-                self.node.say(f"waiting at {self.label} for ranks {pending}" if pending else f"releasing {self.label}")
+                self.node.say(f"waiting at {self.label} for ranks {pending}" if pending else f"releasing {self.label}",
+                              waiting_for=list(pending))
             return got
 
-        self.node.say(f"waiting at {self.label} for ranks {pending}", beat=True)
-        return self.node.wait_for(probe, what=self.label, peers=lambda: list(pending), dirs=[self.dir])
+        # `waiting_for` in the master's heartbeat lets workers waiting for GO watch those ranks too.
+        self.node.say(f"waiting at {self.label} for ranks {pending}", beat=True, waiting_for=list(pending))
+        try:
+            return self.node.wait_for(probe, what=self.label, peers=lambda: list(pending), dirs=[self.dir])
+        finally:
+            self.node.say(f"released {self.label}", waiting_for=[])
 
     def release(self, decision: Decision, reason: str = "", payload: dict | None = None,
                 arrivals: dict[int, Arrival] | None = None) -> Go:
@@ -138,5 +143,12 @@ class Barrier:
 
     def wait_go(self) -> Go:
         self.node.say(f"waiting at {self.label} for the master's GO", beat=True)
-        return self.node.wait_for(self.read_go, what=f"the master's GO at {self.label}", peers=lambda: [0],
+        return self.node.wait_for(self.read_go, what=f"the master's GO at {self.label}", peers=self._go_peers,
                                   dirs=[self.dir])
+
+    def _go_peers(self) -> list[int]:
+        """The master, and the ranks its last heartbeat says it is waiting for: every survivor
+        then names a lost rank, not only the master."""
+        rec = self.node.liveness.last_record(0)
+        others = rec.data.get("waiting_for") or [] if rec else []
+        return [0] + [int(r) for r in others if int(r) != self.node.rank]

@@ -67,6 +67,7 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
                     delay = 0.0
                 if delay:
                     step.node.say(f"working {delay:.1f} s in phase {spec.number}", beat=True)
+                    logger.info("working %.1f s in phase %d of iteration %d", delay, spec.number, step.iteration)
                     time.sleep(delay)
                 if step.attempt <= fail.get((spec.number, rank), 0):
                     raise RuntimeError(f"injected failure of phase {spec.number} attempt {step.attempt}")
@@ -93,7 +94,7 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
                 from coordination.records import publish_bytes
                 publish_bytes(layout.bench_result("both", rank), json.dumps(
                     {"waits": node.waits}).encode())
-            node.close("exited" if code == exits.OK else "failed")
+            node.close("exited" if code == exits.OK else "failed", "finished" if code == exits.OK else "failed")
     return code
 
 
@@ -202,14 +203,16 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
 @click.option("--peer-timeout", default=120.0, hidden=True)
 @click.option("--rejoin-timeout", default=1800.0, hidden=True)
 @click.option("--gc-keep-iterations", default=3, hidden=True)
+@click.option("--join-timeout", default=600.0, hidden=True)
 def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_iterations, node_rank, slow, fail,
-         max_attempts, heartbeat_interval, peer_timeout, rejoin_timeout, gc_keep_iterations):
+         max_attempts, heartbeat_interval, peer_timeout, rejoin_timeout, gc_keep_iterations, join_timeout):
     """Measure the coordination protocol's own cost on one log path."""
     if node_rank is not None:
         if log_path is None:
             raise click.UsageError("--node-rank needs --log-path")
         coord = {"heartbeat_interval": heartbeat_interval, "peer_timeout": peer_timeout,
-                 "rejoin_timeout": rejoin_timeout, "gc_keep_iterations": gc_keep_iterations}
+                 "rejoin_timeout": rejoin_timeout, "gc_keep_iterations": gc_keep_iterations,
+                 "join_timeout": join_timeout}
         sys.exit(run_node(log_path, node_rank, nodes, iterations, slow=_parse_specs(slow, "--slow"),
                           fail={k: int(v) for k, v in _parse_specs(fail, "--fail").items()},
                           max_attempts=max_attempts, coord=coord, slow_iterations=slow_iterations))

@@ -115,7 +115,7 @@ class HeartbeatWriter:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(self.interval, 1.0) + 5)
         if final_state is not None and not self.stopped_by_fence:
-            self.update(state=final_state, **({"message": message} if message is not None else {}))
+            self.update(state=final_state, message=message or final_state, waiting_for=[])
             self.beat()
 
 
@@ -185,6 +185,10 @@ class LivenessTracker:
         except RecordError:  # another run's file: not this peer's sign of life
             rec = None
         return self.observe(rank, rec, min_generation)
+
+    def last_record(self, rank: int) -> Record | None:
+        prev = self._seen.get(rank)
+        return prev[3] if prev else None
 
     def forget(self, rank: int) -> None:
         self._seen.pop(rank, None)

@@ -1,0 +1,105 @@
+"""Joining a run: manifests, config checks, unsafe log paths, garbage collection, fast commands."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordination.clock import FakeClock
+from coordination.layout import RunLayout
+from coordination.manifest import JoinRefused, ensure_job, join_run_as_worker, open_run_as_master
+from coordination.records import read_record
+from tests.procs import ROOT, bench_node, env
+
+CFG_A = {"train": {"lr": 0.001, "steps": 4}, "logging": {"tensorboard": False}}
+CFG_B = {"train": {"lr": 0.002, "steps": 4}, "logging": {"tensorboard": False}}
+
+
+def test_master_creates_the_run_once_and_a_restart_joins_it(run_dir):
+    lay = RunLayout(run_dir)
+    a = open_run_as_master(lay, CFG_A, resume=False)
+    b = open_run_as_master(lay, CFG_A, resume=False)
+    assert a.run_id == b.run_id and read_record(lay.run_json).run_id == a.run_id
+
+
+def test_changed_config_is_refused_unless_resumed_and_the_change_is_recorded(run_dir):
+    lay = RunLayout(run_dir)
+    info = open_run_as_master(lay, CFG_A, resume=False)
+    with pytest.raises(JoinRefused, match=r"(?s)train.lr: 0.001 -> 0.002.*--resume"):
+        open_run_as_master(lay, CFG_B, resume=False)
+    again = open_run_as_master(lay, CFG_B, resume=True)
+    assert again.run_id == info.run_id
+    change = read_record(lay.config_change(1))
+    assert change.data["changes"] == ["train.lr: 0.001 -> 0.002"]
+    assert "lr: 0.002" in lay.config_yaml.read_text()
+
+
+def test_node_local_keys_may_differ_between_nodes(run_dir):
+    lay = RunLayout(run_dir)
+    open_run_as_master(lay, CFG_A, resume=False)
+    local = dict(CFG_A, logging={"tensorboard": True})
+    join_run_as_worker(lay, local, join_timeout=1)
+
+
+def test_worker_with_another_config_is_refused_with_both_values(run_dir):
+    lay = RunLayout(run_dir)
+    open_run_as_master(lay, CFG_A, resume=False)
+    with pytest.raises(JoinRefused, match=r"(?s)config differs.*train.lr: 0.001 -> 0.002"):
+        join_run_as_worker(lay, CFG_B, join_timeout=1)
+
+
+def test_worker_without_a_master_names_the_log_path_it_watches(run_dir):
+    clock = FakeClock()
+    with pytest.raises(JoinRefused, match=rf"(?s){run_dir}.*same shared filesystem"):
+        join_run_as_worker(RunLayout(run_dir), CFG_A, join_timeout=30, clock=clock)
+    assert clock.monotonic() - 1000 >= 30
+
+
+def test_folder_with_foreign_files_is_not_taken_for_a_new_run(run_dir):
+    (run_dir / "results.csv").write_text("x")
+    with pytest.raises(JoinRefused, match="not empty"):
+        open_run_as_master(RunLayout(run_dir), CFG_A, resume=False)
+
+
+def test_world_writable_log_path_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(JoinRefused, match="chmod o-w"):
+        open_run_as_master(RunLayout(d), CFG_A, resume=False)
+
+
+def test_job_facts_must_match(run_dir):
+    lay = RunLayout(run_dir)
+    info = open_run_as_master(lay, CFG_A, resume=False)
+    job = lay.job("both")
+    ensure_job(job, info.run_id, {"num_nodes": 2, "rank_weights": [2, 1]}, master=True)
+    with pytest.raises(JoinRefused, match=r"rank_weights: \[2, 1\] in the run, \[1, 1\] here"):
+        ensure_job(job, info.run_id, {"num_nodes": 2, "rank_weights": [1, 1]}, master=False)
+
+
+def test_master_removes_barrier_folders_older_than_the_window(procs, run_dir):
+    hb = ["--heartbeat-interval", "0.5", "--peer-timeout", "3", "--gc-keep-iterations", "2"]
+    for r in range(2):
+        procs.start(f"r{r}", bench_node(run_dir, r, 2, 5, *hb))
+    assert procs.wait_all(60) == {"r0": 0, "r1": 0}
+    sync = RunLayout(run_dir).job("both").sync_dir
+    assert sorted(p.name for p in sync.iterdir()) == ["iter-4", "iter-5"]
+
+
+def test_worker_gives_up_joining_with_a_clear_message(procs, run_dir):
+    procs.start("w", bench_node(run_dir, 1, 2, 2, "--join-timeout", "2"))
+    assert procs.wait("w", 30) == 3
+    assert "same shared filesystem" in procs.log("w") and str(run_dir) in procs.log("w")
+
+
+def test_commands_start_without_importing_torch(run_dir):
+    code = ("import sys; from click.testing import CliRunner; from coordination.__main__ import main; "
+            "r = CliRunner().invoke(main, ['status', '--log-path', sys.argv[1]]); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "False False", out.stderr
