@@ -36,6 +36,8 @@ class Go:
     reason: str
     payload: dict[str, Any] = field(default_factory=dict)
     generation: int = 0
+    # rank (as a string) -> {"ok", "error", "generation"} of the arrivals the master released on
+    arrivals: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class Barrier:
@@ -139,7 +141,7 @@ class Barrier:
         if rec is None:
             return None
         d = rec.data
-        return Go(d["decision"], d.get("reason", ""), d.get("payload") or {}, rec.generation)
+        return Go(d["decision"], d.get("reason", ""), d.get("payload") or {}, rec.generation, d.get("arrivals") or {})
 
     def wait_go(self) -> Go:
         self.node.say(f"waiting at {self.label} for the master's GO", beat=True)

@@ -304,6 +304,9 @@ class CoordinationConfig:
         3, "barrier folders of iterations older than this many iterations back are removed by the master")
     master_addr: str = option(
         "", "address other nodes use to reach the master (torchrun rendezvous); empty = this host's primary address")
+    socket_ifname: str = option(
+        "", "network interface for the trainers' gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME), "
+            "e.g. ib0; empty = let them choose")
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_interval", "peer_timeout", "rejoin_timeout", "join_timeout",

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-JOBS = ("both", "rollout", "update")
+JOBS = ("both", "rollout", "update", "eval")  # eval: --rl-phase rollout --rollout-split eval-only
 SPLITS = ("train", "eval")
 
 _CLAIM_RE = re.compile(r"^claim-(\d+)$")

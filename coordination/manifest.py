@@ -32,8 +32,8 @@ from coordination.records import (RecordError, create_record, ensure_dir, is_tem
 log = logging.getLogger("baton.manifest")
 
 # Config keys that may differ between nodes without changing what the run computes.
-NODE_LOCAL_KEYS = ("logging", "coordination.master_addr", "inference.vllm.python", "inference.vllm.env",
-                   "train.socket_ifname")
+NODE_LOCAL_KEYS = ("logging", "coordination.master_addr", "coordination.socket_ifname", "inference.vllm.python",
+                   "inference.vllm.env")
 
 
 class JoinRefused(RuntimeError):

@@ -131,8 +131,10 @@ class Node:
                 self._hints.pop(r, None)
 
     def wait_for(self, probe: Callable[[], T | None], *, what: str, peers: Callable[[], Iterable[int]],
-                 dirs: Iterable[Path] = (), status_every: float = 30.0) -> T:
-        """Poll `probe` until it returns a value. Bounded: lost peers end the wait after rejoin_timeout."""
+                 dirs: Iterable[Path] = (), status_every: float = 30.0,
+                 watch: Callable[[], None] | None = None) -> T:
+        """Poll `probe` until it returns a value. Bounded: lost peers end the wait after rejoin_timeout.
+        `watch` runs with the liveness checks (another job's master, for pipelined jobs) and may raise."""
         backoff = Backoff(self.cfg.poll_min, self.cfg.poll_max)
         dirs = list(dirs)
         start = self.clock.monotonic()
@@ -152,6 +154,8 @@ class Node:
             if now >= next_liveness:
                 self.check_fence()
                 self._check_peers(list(peers()), what)
+                if watch is not None:
+                    watch()
                 next_liveness = now + min(self.cfg.heartbeat_interval / 2, 2.0)
             if now >= next_refresh:
                 for d in dirs:

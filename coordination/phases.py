@@ -41,6 +41,7 @@ JOB_PHASES: dict[str, tuple[int, ...]] = {
     "both": tuple(range(0, 14)),
     "rollout": tuple(range(0, 7)),
     "update": tuple(range(7, 14)),
+    "eval": (0, 5, 6),  # --rl-phase rollout --rollout-split eval-only: evaluates each new checkpoint
 }
 
 

@@ -93,10 +93,9 @@ class PhaseRunner:
         self.max_iterations = max_iterations
         self.stop_requested = stop_requested
         self.gc_keep = gc_keep_iterations
-        barriers = [p for p in phases if p.spec.barrier]
-        if not barriers:
+        if not any(p.spec.barrier for p in phases):
             raise ValueError("a job's phase table must contain at least one barrier")
-        self.final = barriers[-1].spec.number
+        self.final = -1  # the last barrier enabled in the current iteration
         self._error: str | None = None
 
     # -- progress ----------------------------------------------------------------------------
@@ -132,15 +131,19 @@ class PhaseRunner:
     def run_iteration(self, it: int) -> Go:
         self._error = None
         gos: dict[int, Go] = {}
-        final_go: Go | None = None
-        for phase in self.phases:
+        # Which phases run is decided from the iteration alone (eval iterations, the final
+        # evaluation), the same on every rank; the last barrier among them ends the iteration.
+        active = [p for p in self.phases
+                  if p.enabled is None or p.enabled(Step(self.node, it, p.spec, 1, gos))]
+        barriers = [p.spec.number for p in active if p.spec.barrier]
+        if not barriers:
+            raise ValueError(f"iteration {it} has no barrier among its phases; the phase table is wrong")
+        self.final = barriers[-1]
+        for phase in active:
             go = self._run_phase(phase, it, gos)
             if go is not None:
                 gos[phase.spec.number] = go
-                if phase.spec.number == self.final:
-                    final_go = go
-        assert final_go is not None
-        return final_go
+        return gos[self.final]
 
     def _acts(self, spec: PhaseSpec) -> bool:
         return spec.who == "all" or self.node.is_master
@@ -150,8 +153,6 @@ class PhaseRunner:
         attempt, retry = 1, None
         while True:
             step = Step(node, it, spec, attempt, gos, retry)
-            if phase.enabled is not None and not phase.enabled(step):
-                return None
             barrier = Barrier(node, it, spec.number, spec.name, attempt)
             go = barrier.read_go() if spec.barrier else None
             if go is None:

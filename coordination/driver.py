@@ -1,0 +1,461 @@
+"""The RL phase table (DESIGN §6): the one module that knows coordination, rollout and train.
+
+`run_node(args)` joins the job, builds the table for its `--rl-phase` and hands it to the
+generic `PhaseRunner`. Every action is idempotent: a phase redone after a crash finds its
+outputs (chunks, all.parquet, plan, checkpoint) and finishes without repeating work.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from coordination import exits, log as blog
+from coordination.barrier import Arrival
+from coordination.children import run_watched
+from coordination.config import ConfigError, dump_yaml, to_dict
+from coordination.layout import RunLayout
+from coordination.node import Node
+from coordination.phases import BY_NUMBER, JOB_PHASES
+from coordination.records import publish_record
+from coordination.run_cli import RunArgs
+from coordination.runconfig import RunConfig, load_run_config
+from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
+
+log = logging.getLogger("baton.driver")
+
+
+def free_port(addr: str) -> int:
+    """A port that is free on `addr` now (the rendezvous store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_address(master_addr: str) -> str:
+    """This node's address on the route to the master (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((master_addr, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return master_addr
+
+
+class RunPlan:
+    """What the config and flags decide, the same on every node: which iterations evaluate, which
+    tasks an iteration has and how they split over the ranks. Needs no node (dry runs use it)."""
+
+    def __init__(self, args: RunArgs, cfg: RunConfig):
+        self.args, self.cfg = args, cfg
+        self._pools: dict[str, list] = {}
+
+    @property
+    def final_eval_on(self) -> bool:
+        return self.cfg.run.eval_interval > 0 and self.cfg.run.final_eval and self.args.job in ("both", "eval")
+
+    @property
+    def last_iteration(self) -> int:
+        """max_iterations, plus one evaluation-only iteration that measures the final checkpoint
+        when evaluation is on."""
+        return self.cfg.run.max_iterations + (1 if self.final_eval_on else 0)
+
+    def is_final_eval(self, it: int) -> bool:
+        return self.final_eval_on and it == self.cfg.run.max_iterations + 1
+
+    def is_eval(self, it: int) -> bool:
+        k = self.cfg.run.eval_interval
+        return k > 0 and ((it - 1) % k == 0 or self.is_final_eval(it))
+
+    def pool(self, split: str) -> list:
+        if split not in self._pools:
+            from rollout.tasks import load_tasks
+
+            name = self.cfg.tasks.train_file if split == "train" else self.cfg.tasks.eval_file
+            path = Path(self.cfg.run.data_path) / name
+            if not path.exists():
+                raise ConfigError(f"{split} task file {path} does not exist: --data-path must hold {name} "
+                                  f"(or set tasks.{split}_file); make one with `python -m rollout.tasks make`")
+            self._pools[split] = load_tasks(path)
+        return self._pools[split]
+
+    def tasks_of(self, split: str, iteration: int) -> list:
+        from rollout.split import sample_iteration, select_eval
+
+        if split == "train":
+            return sample_iteration(self.pool("train"), self.cfg.tasks.tasks_per_iteration,
+                                    seed=self.cfg.rollout.seed, iteration=iteration)
+        return select_eval(self.pool("eval"), self.cfg.tasks.eval_tasks, seed=self.cfg.rollout.seed)
+
+    def shares(self, split: str, iteration: int) -> list[list]:
+        from rollout.split import split_plan
+
+        return split_plan(self.tasks_of(split, iteration), self.args.rank_weights)
+
+
+class RLJob:
+    """One node's view of an RL job: its engine and the actions of its phases."""
+
+    def __init__(self, args: RunArgs, cfg: RunConfig, node: Node):
+        self.args, self.cfg, self.node = args, cfg, node
+        self.plan = RunPlan(args, cfg)
+        self.layout: RunLayout = node.layout
+        self.engine = None
+        self.engine_starts = 0
+        self.served: int | None = None  # policy iteration the engine serves
+        self._tokenizer = None
+        self._reward = None
+        self.log_dir = node.job.logs_dir(node.rank)
+        self.is_eval, self.is_final_eval = self.plan.is_eval, self.plan.is_final_eval
+        self.shares = self.plan.shares
+
+    # -- policies and the engine ---------------------------------------------------------------
+    def policy(self, iteration: int) -> tuple[int, Path]:
+        """Checkpoint `iteration` (the base model for 0); it must be complete."""
+        from train.checkpoint import is_complete
+
+        if iteration == 0:
+            return 0, Path(self.cfg.model.path)
+        folder = self.layout.checkpoint(iteration)
+        if not is_complete(folder):
+            raise RuntimeError(f"checkpoint {folder} is missing or incomplete; it is needed as the policy of "
+                               f"iteration {iteration + 1}")
+        return iteration, folder
+
+    def rollout_policy(self, step: Step) -> tuple[int, Path]:
+        """both: checkpoint N-1. Pipelined jobs: what the master chose at phase 0 (all ranks agree)."""
+        if self.args.job == "both":
+            return self.policy(step.iteration - 1)
+        return self.policy(int(step.go_payload(0)["policy_iteration"]))
+
+    def ensure_engine(self, policy_iteration: int, path: Path) -> None:
+        from rollout.inference import make_engine
+
+        if self.engine is None:
+            self.engine = make_engine(self.cfg.inference, rank=self.node.rank, restart_count=self.engine_starts,
+                                      temperature=self.cfg.rollout.temperature,
+                                      log_file=self.log_dir / "inference.log", debug_mode=self.args.debug_mode)
+        if self.engine.running and self.served == policy_iteration:
+            return
+        self.node.say(f"starting the inference engine on policy {policy_iteration}", beat=True)
+        if not self.engine.running:
+            self.engine.start(path)
+            self.engine_starts += 1
+        elif self.cfg.inference.between_iterations == "restart":
+            self.engine.stop()
+            self.engine.start(path)
+            self.engine_starts += 1
+        else:
+            self.engine.reload(path)
+        self.served = policy_iteration
+        log.info("engine %s serves policy %d (%s)", self.engine.name, policy_iteration, path)
+
+    def close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+    # -- tasks -------------------------------------------------------------------------------
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        return self._tokenizer
+
+    def reward(self):
+        if self._reward is None:
+            from rollout.rewards import load_reward
+
+            self._reward = load_reward(self.cfg.tasks.reward)
+        return self._reward
+
+    # -- actions -------------------------------------------------------------------------------
+    def roll_out(self, step: Step, split: str) -> dict:
+        from rollout.worker import rollout_rank, sampling_for
+
+        policy_it, path = self.rollout_policy(step)
+        self.ensure_engine(policy_it, path)
+        mine = self.shares(split, step.iteration)[self.node.rank]
+        sampling, group = sampling_for(self.cfg.rollout, split)
+        s = rollout_rank(engine=self.engine, tokenizer=self.tokenizer(), tasks=mine, layout=self.layout, split=split,
+                         iteration=step.iteration, rank=self.node.rank, generation=self.node.generation,
+                         run_id=self.node.run_id, policy_iteration=policy_it, cfg=self.cfg.rollout,
+                         reward_fn=self.reward(), group_size=group, sampling=sampling,
+                         on_progress=lambda done, total, msg: self.node.say(msg),
+                         fence=self.node.check_fence)
+        return {"tasks": s.tasks, "samples": s.samples, "tokens": s.completion_tokens, "seconds": round(s.seconds, 3),
+                "policy_iteration": policy_it}
+
+    def aggregate(self, step: Step, split: str, barrier_phase: int, arrivals: dict[int, Arrival] | None = None) -> dict:
+        from rollout.aggregate import aggregate
+        from rollout.worker import sampling_for
+
+        gens = ({r: a.generation for r, a in arrivals.items()} if arrivals is not None
+                else {int(r): a["generation"] for r, a in step.gos[barrier_phase].arrivals.items()})
+        expected = {r: [t.id for t in share] for r, share in enumerate(self.shares(split, step.iteration))}
+        _, group = sampling_for(self.cfg.rollout, split)
+        return aggregate(self.layout, split, step.iteration, ranks=gens, run_id=self.node.run_id, expected=expected,
+                         group_size=group, success_reward=self.cfg.rollout.success_reward,
+                         generation=self.node.generation)
+
+    def phase0(self, step: Step) -> dict:
+        if self.args.job in ("rollout", "eval") and self.node.is_master:
+            from coordination.pipeline import wait_for_checkpoint
+
+            need = step.iteration - 1 if self.args.job == "eval" else \
+                max(0, step.iteration - 1 - self.cfg.run.max_staleness)
+            wait_for_checkpoint(self, need)
+        return {}
+
+    def decide0(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+        v = default_decide(step, arrivals)
+        if v.decision != "continue" or self.args.job == "both":
+            return v
+        from train.checkpoint import read_latest
+
+        latest = read_latest(self.layout)
+        chosen = latest[0] if latest else 0
+        if self.args.job == "eval":
+            chosen = step.iteration - 1  # evaluate exactly the checkpoint of the previous iteration
+        return Verdict("continue", payload={"policy_iteration": chosen})
+
+    def decide_eval_choice(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+        v = default_decide(step, arrivals)
+        return Verdict(v.decision, v.reason, {"eval": self.is_eval(step.iteration)})
+
+    def decide_eval(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+        v = default_decide(step, arrivals)
+        if v.decision != "continue":
+            return v
+        try:
+            stats = self.aggregate(step, "eval", 6, arrivals)
+        except Exception as exc:  # noqa: BLE001 - a failed aggregation is the master's phase failing
+            log.exception("eval aggregation failed")
+            return Verdict("abort", f"iteration {step.iteration} failed at phase 6 aggregate-eval: {exc}")
+        acc = (stats.get("eval") or {}).get("accuracy")
+        log.info("iteration %d eval accuracy %s over %s tasks", step.iteration,
+                 f"{acc:.4f}" if acc is not None else "-", stats.get("tasks"))
+        return Verdict("continue", payload={"eval_accuracy": acc})
+
+    def stop_inference(self, step: Step) -> dict:
+        if self.args.job == "update":
+            if self.node.is_master:
+                from coordination.pipeline import wait_for_rollouts
+
+                wait_for_rollouts(self, step.iteration)
+            return {}
+        if self.engine is not None and self.engine.running:
+            if self.cfg.inference.between_iterations == "restart":
+                self.engine.stop()
+            elif self.cfg.inference.between_iterations == "sleep":
+                self.engine.sleep()
+        return {}
+
+    def checkpoint_done(self, iteration: int) -> bool:
+        from train.checkpoint import is_complete
+
+        return is_complete(self.layout.checkpoint(iteration))
+
+    def prepare(self, step: Step) -> dict:
+        from train.data import prepare_training_data
+
+        if self.checkpoint_done(step.iteration):
+            return {"skipped": "checkpoint already published"}
+        it, path = self.policy(step.iteration - 1)
+        plan = prepare_training_data(self.layout, step.iteration, self.cfg.train, run_id=self.node.run_id,
+                                     world_size=self.args.num_nodes * self.cfg.train.nproc_per_node,
+                                     temperature=self.cfg.rollout.temperature, input_checkpoint=path,
+                                     input_iteration=it)
+        return {"plan": str(plan)}
+
+    def rendezvous(self, iteration: int, attempt: int) -> dict:
+        """Where torchrun's agents meet for one attempt: a fresh port and rendezvous id each time."""
+        from coordination.manifest import read_master
+
+        addr = read_master(self.node.job, self.node.run_id)["addr"]
+        return {"addr": addr, "port": free_port(addr), "attempt": attempt,
+                "rdzv_id": f"{self.node.run_id}-{self.node.job.name}-i{iteration}-a{attempt}"}
+
+    def decide_ready(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+        v = default_decide(step, arrivals)
+        if v.decision != "continue":
+            return v
+        return Verdict("continue", payload=self.rendezvous(step.iteration, 1))
+
+    def train(self, step: Step) -> dict:
+        from train.launch import torchrun_command, torchrun_env
+
+        if self.checkpoint_done(step.iteration):
+            return {"skipped": "checkpoint already published"}
+        rdzv = step.retry.payload if step.retry is not None else step.go_payload(9)
+        is_host = self.node.is_master
+        local = rdzv["addr"] if is_host else own_address(rdzv["addr"])
+        cmd = torchrun_command(
+            python=sys.executable, nnodes=self.args.num_nodes, node_rank=self.node.rank,
+            nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=f"{rdzv['addr']}:{rdzv['port']}",
+            rdzv_id=rdzv["rdzv_id"], is_host=is_host, local_addr=local, module="train.trainer",
+            args=["--plan", str(self.layout.training_plan(step.iteration)), "--attempt", str(step.attempt)])
+        env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                           socket_ifname=self.cfg.coordination.socket_ifname or None)
+        self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
+        run_watched(cmd, env=env, log_file=self.log_dir / "trainer.log", node=self.node,
+                    peers=range(self.args.num_nodes), what=f"torchrun (iteration {step.iteration}, attempt "
+                                                           f"{step.attempt})")
+        return {"attempt": step.attempt}
+
+    def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+        failed = {r: a for r, a in arrivals.items() if not a.ok}
+        if not failed:
+            return Verdict("continue", payload={"attempt": step.attempt})
+        reason = failure_summary(step, failed)
+        if step.attempt >= self.cfg.train.max_attempts:
+            return Verdict("abort", f"{reason} (attempt {step.attempt} of {self.cfg.train.max_attempts}; "
+                                    f"raise train.max_attempts to retry more)")
+        return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
+
+    def publish(self, step: Step) -> dict:
+        from train.checkpoint import apply_retention, publish_checkpoint
+
+        attempt = int(step.go_payload(10).get("attempt", 1))
+        publish_checkpoint(self.layout, step.iteration, self.layout.checkpoint_staging(step.iteration, attempt),
+                           run_id=self.node.run_id)
+        k = self.cfg.run.eval_interval
+        evals = {i - 1 for i in range(1, step.iteration + 2) if k > 0 and (i - 1) % k == 0}
+        removed = apply_retention(self.layout, keep_last=self.cfg.train.keep_last,
+                                  protected=evals | {step.iteration, 0})
+        return {"removed": removed}
+
+    def restart_inference(self, step: Step) -> dict:
+        """Serve the new checkpoint for the next iteration (restart, reload or wake)."""
+        if self.args.job != "both" or step.iteration + 1 > self.plan.last_iteration:
+            return {}  # no engine in this job, or the run ends with this iteration
+        it, path = self.policy(step.iteration)
+        if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
+                and self.engine.running):
+            self.engine.wake(path)
+            self.served = it
+        else:
+            self.ensure_engine(it, path)
+        return {}
+
+    def decide_done(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
+        from coordination import metrics
+
+        v = default_decide(step, arrivals)
+        if v.decision != "continue":
+            return v
+        train_attempt = (int(step.go_payload(10).get("attempt", 1))
+                         if 10 in step.gos and not step.go_payload(10).get("skipped") else None)
+        rec = metrics.build(self.layout, self.node.job, run_id=self.node.run_id, iteration=step.iteration,
+                            num_nodes=self.args.num_nodes, policy_iteration=step.iteration - 1,
+                            train_attempt=train_attempt, eval_done=bool(step.go_payload(4).get("eval"))
+                            or self.is_final_eval(step.iteration))
+        publish_record(self.layout.metrics(step.iteration), "metrics", rec, run_id=self.node.run_id,
+                       generation=self.node.generation)
+        from coordination.sinks import emit
+
+        emit(self.cfg.logging, self.layout, rec)
+        return Verdict("continue", payload={k: rec.get(k) for k in ("train_reward_mean", "eval_accuracy", "loss")})
+
+    # -- the table ---------------------------------------------------------------------------
+    def phases(self) -> list[Phase]:
+        job = self.args.job
+        final = self.is_final_eval
+        train_side = job in ("both", "rollout")
+        table = {
+            0: Phase(BY_NUMBER[0], self.phase0, self.decide0),
+            1: Phase(BY_NUMBER[1], lambda s: self.roll_out(s, "train"),
+                     enabled=lambda s: train_side and not final(s.iteration)),
+            2: Phase(BY_NUMBER[2], enabled=lambda s: train_side and not final(s.iteration)),
+            3: Phase(BY_NUMBER[3], lambda s: {"stats": _brief(self.aggregate(s, "train", 2))},
+                     enabled=lambda s: train_side and not final(s.iteration)),
+            4: Phase(BY_NUMBER[4], decide=self.decide_eval_choice,
+                     enabled=lambda s: train_side and not final(s.iteration)),
+            5: Phase(BY_NUMBER[5], lambda s: self.roll_out(s, "eval"),
+                     enabled=lambda s: job in ("both", "eval") and self.is_eval(s.iteration)),
+            6: Phase(BY_NUMBER[6], decide=self.decide_eval,
+                     enabled=lambda s: job in ("both", "eval") and self.is_eval(s.iteration)),
+            7: Phase(BY_NUMBER[7], self.stop_inference, enabled=lambda s: not final(s.iteration)),
+            8: Phase(BY_NUMBER[8], self.prepare, enabled=lambda s: not final(s.iteration)),
+            9: Phase(BY_NUMBER[9], decide=self.decide_ready, enabled=lambda s: not final(s.iteration)),
+            10: Phase(BY_NUMBER[10], self.train, self.decide_train, enabled=lambda s: not final(s.iteration),
+                      max_attempts=self.cfg.train.max_attempts),
+            11: Phase(BY_NUMBER[11], self.publish, enabled=lambda s: not final(s.iteration)),
+            12: Phase(BY_NUMBER[12], self.restart_inference, enabled=lambda s: not final(s.iteration)),
+            13: Phase(BY_NUMBER[13], decide=self.decide_done),
+        }
+        return [table[n] for n in JOB_PHASES[job]]
+
+
+def _brief(stats: dict) -> dict:
+    return {k: stats.get(k) for k in ("tasks", "samples", "reward_mean", "pass_at_1")}
+
+
+def _stop_requested(layout: RunLayout):
+    def check() -> str | None:
+        return f"a stop was requested ({layout.stop_file})" if layout.stop_file.exists() else None
+    return check
+
+
+def run_node(args: RunArgs) -> int:
+    """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
+    logger = blog.setup(f"{args.job} rank{args.rank}")
+    try:
+        cfg = load_run_config(args.configs, args.config_overrides())
+        cfg.check_for(args.rl_phase)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return exits.USAGE
+    if args.dry_run:
+        from coordination.dryrun import dry_run
+
+        return dry_run(args, cfg)
+    layout = RunLayout(args.log_path)
+    node = None
+    job: RLJob | None = None
+    code, final_message = exits.OK, "finished"
+
+    def on_term(signum, frame):  # turn SIGTERM into a clean unwinding (engines and torchrun stopped)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        from coordination.join import join_job
+
+        node = join_job(layout, job=args.job, rank=args.rank, num_nodes=args.num_nodes,
+                        job_facts={"rank_weights": args.rank_weights, "rl_phase": args.rl_phase,
+                                   "rollout_split": args.rollout_split},
+                        config=to_dict(cfg), cfg=cfg.coordination, resume=args.resume, command=args.command)
+        logfile = node.job.log_file(args.rank, "driver")
+        blog.setup(f"{args.job} rank{args.rank} gen{node.generation}", logfile, getattr(logging, cfg.logging.level))
+        logger.info("logs of this rank: %s (driver), %s (inference), %s (trainer)", logfile,
+                    node.job.log_file(args.rank, "inference"), node.job.log_file(args.rank, "trainer"))
+        job = RLJob(args, cfg, node)
+        runner = PhaseRunner(node, job.phases(), max_iterations=job.plan.last_iteration,
+                             stop_requested=_stop_requested(layout),
+                             gc_keep_iterations=cfg.coordination.gc_keep_iterations)
+        outcome = runner.run()
+        final_message = f"finished: {outcome.stopped}"
+        logger.info("%s (%d iterations run by this process)", final_message, outcome.iterations_run)
+    except KeyboardInterrupt as exc:
+        code, final_message = 130, f"interrupted ({exc})"
+        logger.error("interrupted; stopping this node (restart it with the same command to resume)")
+    except Exception as exc:  # noqa: BLE001 - every ending gets a distinct code and one clear message
+        code = exits.classify(exc)
+        final_message = f"stopped: {exc}"
+        logger.error("%s", exc, exc_info=code == exits.ERROR)
+    finally:
+        if job is not None:
+            try:
+                job.close_engine()
+            except Exception as exc:  # noqa: BLE001 - still release the claim
+                logger.error("could not stop the inference engine: %s", exc)
+        if node is not None:
+            fenced = node.claim is not None and node.claim.is_fenced(probe=False)
+            if not fenced:
+                node.close("exited" if code == exits.OK else "failed", final_message[:300])
+    return code

@@ -1,0 +1,100 @@
+"""`scripts/run.sh ... --dry-run`: show what this node would do, touching nothing.
+
+Prints the resolved config, this rank's phase plan, the task split per rank for the next
+iteration, and the exact inference-server and torchrun commands (the rendezvous port is chosen
+by the master at phase 9, so it is shown as a placeholder). Reads the log path if a run is
+there (to know the next iteration) but never writes to it.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from coordination.config import dump_yaml
+from coordination.layout import RunLayout
+from coordination.phases import BY_NUMBER, JOB_PHASES
+from coordination.records import RecordError, try_read
+
+
+def _next_iteration(layout: RunLayout, job: str) -> int:
+    try:
+        run = try_read(layout.run_json, kind="run")
+        prog = try_read(layout.job(job).progress_json, kind="progress", run_id=run.run_id) if run else None
+    except RecordError:
+        prog = None
+    return int(prog.data["completed_iteration"]) + 1 if prog else 1
+
+
+def dry_run(args, cfg) -> int:
+    from coordination.driver import RunPlan
+    from coordination.manifest import master_address
+
+    echo = click.echo
+    layout = RunLayout(args.log_path)
+    it = _next_iteration(layout, args.job)
+    role = "master" if args.is_master else f"worker {args.rank}"
+    echo(f"# dry run: job {args.job}, {role} of {args.num_nodes} node(s), next iteration {it}; nothing is written")
+    echo("\n## resolved config\n")
+    echo(dump_yaml(cfg))
+
+    job = RunPlan(args, cfg)
+    echo("## phase plan of this rank (iteration %d)\n" % it)
+    for n in JOB_PHASES[args.job]:
+        spec = BY_NUMBER[n]
+        acts = spec.who == "all" or args.is_master
+        note = []
+        if n in (5, 6) and not job.is_eval(it):
+            note.append("skipped: not an eval iteration")
+        echo(f"  {n:2d} {spec.name:24s} {'acts' if acts else 'waits':5s} {'barrier' if spec.barrier else '':7s} "
+             f"{spec.summary}{' (' + '; '.join(note) + ')' if note else ''}")
+
+    echo("\n## task split for iteration %d (rank weights %s)\n" % (it, args.rank_weights))
+    splits = [s for s, on in (("train", args.job in ("both", "rollout")),
+                              ("eval", args.job in ("both", "eval") and job.is_eval(it))) if on]
+    for split in splits:
+        try:
+            shares = job.shares(split, it)
+        except Exception as exc:  # noqa: BLE001 - a dry run reports what would fail
+            echo(f"  {split}: cannot split: {exc}")
+            continue
+        for r, share in enumerate(shares):
+            first = ", ".join(t.id for t in share[:3])
+            echo(f"  {split} rank {r}: {len(share)} tasks{' <- this node' if r == args.rank else ''}"
+                 f"{f' (first: {first})' if first else ''}")
+
+    echo("\n## commands this node would run\n")
+    inf = cfg.inference
+    policy = Path(cfg.model.path) if it == 1 else layout.checkpoint(it - 1)
+    if args.job in ("both", "rollout", "eval"):
+        if inf.engine == "vllm":
+            from rollout.engines.vllm_server import build_server
+            from rollout.inference import resolve_dtype
+
+            if args.debug_mode:
+                echo(f"  inference: the server you run at {inf.vllm.debug_url} (--debug-mode: never started here)")
+            else:
+                spec = build_server(inf.vllm, policy, port=inf.vllm.port or 0, rank=args.rank, restart_count=0,
+                                    temperature=cfg.rollout.temperature, dtype=resolve_dtype(inf, on_gpu=not inf.vllm.cpu),
+                                    between_iterations=inf.between_iterations, cache_root=None)
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()) if k != "VLLM_API_KEY")
+                echo(f"  inference server: {env} {shlex.join(spec.argv)}")
+                if inf.vllm.port == 0:
+                    echo("    (--port 0: a free port is picked when the server starts)")
+        else:
+            echo(f"  inference: transformers engine in this process (device {inf.device}, dtype {inf.dtype}) "
+                 f"on {policy}")
+    if args.job in ("both", "update"):
+        from train.launch import torchrun_command
+
+        addr = master_address(cfg.coordination.master_addr)
+        cmd = torchrun_command(python=sys.executable, nnodes=args.num_nodes, node_rank=args.rank,
+                               nproc_per_node=cfg.train.nproc_per_node, rdzv_endpoint=f"{addr}:PORT",
+                               rdzv_id=f"RUN-{args.job}-i{it}-a1", is_host=args.is_master,
+                               local_addr=addr if args.is_master else "THIS_NODE_ADDR", module="train.trainer",
+                               args=["--plan", str(layout.training_plan(it)), "--attempt", "1"])
+        echo(f"  training (phase 10): {shlex.join(cmd)}")
+        echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
+    return 0

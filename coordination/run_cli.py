@@ -1,0 +1,168 @@
+"""`scripts/run.sh`: the reference pipeline's interface, parsed and checked here.
+
+    scripts/run.sh --data-path P --log-path L --rl-phase rollout|update|both [--eval-interval K]
+                   [--rollout-split train-only|eval-only] [--num-nodes N --rank-weights w0,...]
+                   [--master | --worker R] [--debug-mode] [--resume] [--dry-run] [--config FILE]
+                   [key=value ...]
+
+Every misuse exits 2 with a one-line reason and the usage. Nothing heavy is imported before the
+arguments are known to be good, so `--help` and mistakes answer at once.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
+                "  scripts/run.sh --data-path /shared/tasks --log-path /shared/runs/r1 --rl-phase both "
+                "--eval-interval 2 --num-nodes 2 --rank-weights 2,1 --master model.path=/shared/models/m\n\n"
+                "and the same command with --worker 1 instead of --master on node B.")
+
+
+@dataclass
+class RunArgs:
+    data_path: Path
+    log_path: Path
+    rl_phase: str
+    eval_interval: int | None
+    rollout_split: str | None
+    num_nodes: int
+    rank_weights: list[float]
+    rank: int
+    debug_mode: bool = False
+    resume: bool = False
+    dry_run: bool = False
+    configs: list[Path] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+    command: str = ""
+
+    @property
+    def job(self) -> str:
+        if self.rl_phase == "rollout":
+            return "rollout" if self.rollout_split == "train-only" else "eval"
+        return self.rl_phase
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def config_overrides(self) -> list[str]:
+        """Flags that are config keys (so every node must agree on them), then the user's key=value."""
+        flags = [f"run.data_path={self.data_path}"]
+        if self.eval_interval is not None:
+            flags.append(f"run.eval_interval={self.eval_interval}")
+        return flags + list(self.overrides)
+
+
+def _fail(msg: str) -> None:
+    raise click.UsageError(msg)
+
+
+def _parse_weights(text: str | None, n: int) -> list[float]:
+    if text is None:
+        if n > 1:
+            _fail(f"--rank-weights is required with --num-nodes {n}: one positive number per node, e.g. "
+                  f"--rank-weights {','.join(['1'] * n)}")
+        return [1.0]
+    parts = [p.strip() for p in text.split(",")]
+    weights = []
+    for p in parts:
+        try:
+            w = float(p)
+        except ValueError:
+            _fail(f"--rank-weights {text!r}: {p!r} is not a number; give one positive number per node, e.g. 2,1")
+        if not w > 0 or w != w or w == float("inf"):
+            _fail(f"--rank-weights {text!r}: every weight must be a positive number (got {p})")
+        weights.append(w)
+    if len(weights) != n:
+        _fail(f"--rank-weights has {len(weights)} weight(s) but --num-nodes is {n}; give exactly one per node")
+    return weights
+
+
+def _rank(master: bool, worker: int | None, n: int) -> int:
+    env_rank = None
+    for var in ("RANK", "NODE_RANK"):
+        if os.environ.get(var, "").strip():
+            try:
+                env_rank = int(os.environ[var])
+            except ValueError:
+                _fail(f"{var}={os.environ[var]!r} in the environment is not a node rank; unset it or give --worker R")
+            break
+    if master and worker is not None:
+        _fail("--master and --worker are exclusive: rank 0 is the master, give one of them")
+    if worker is not None and worker == 0:
+        _fail("--worker 0 is the master: use --master on that node")
+    flag_rank = 0 if master else worker
+    if flag_rank is not None and env_rank is not None and flag_rank != env_rank:
+        _fail(f"the command line says rank {flag_rank} but RANK/NODE_RANK says {env_rank}; drop one of them")
+    rank = flag_rank if flag_rank is not None else env_rank
+    if rank is None:
+        if n == 1:
+            return 0
+        _fail(f"say which node this is: --master on one node and --worker R (1..{n - 1}) on the others")
+    if not 0 <= rank < n:
+        _fail(f"--worker rank must be between 1 and {n - 1} for {n} nodes (got {rank})")
+    return rank
+
+
+def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker,
+          debug_mode, resume, dry_run, configs, overrides) -> RunArgs:
+    if rl_phase == "both" and eval_interval is None:
+        _fail("--eval-interval K is required with --rl-phase both (evaluate at iterations 1, 1+K, ...; "
+              "0 turns evaluation off)")
+    if eval_interval is not None and eval_interval < 0:
+        _fail(f"--eval-interval must be 0 or a positive number of iterations (got {eval_interval})")
+    if rl_phase == "rollout" and rollout_split is None:
+        _fail("--rollout-split train-only|eval-only is required with --rl-phase rollout")
+    if rl_phase != "rollout" and rollout_split is not None:
+        _fail(f"--rollout-split only applies to --rl-phase rollout (got --rl-phase {rl_phase})")
+    if num_nodes < 1:
+        _fail(f"--num-nodes must be at least 1 (got {num_nodes})")
+    weights = _parse_weights(rank_weights, num_nodes)
+    rank = _rank(master, worker, num_nodes)
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            _fail(f"unexpected argument {o!r}: config overrides are key=value, e.g. train.lr=1e-4")
+    return RunArgs(Path(data_path), Path(log_path), rl_phase, eval_interval, rollout_split, num_nodes, weights, rank,
+                   debug_mode, resume, dry_run, [Path(c) for c in configs], list(overrides),
+                   command=shlex.join(["scripts/run.sh"] + sys.argv[1:]))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+               epilog=USAGE_EPILOG)
+@click.option("--data-path", required=True, type=click.Path(path_type=Path),
+              help="folder of task files (train.jsonl, eval.jsonl), the same on every node")
+@click.option("--log-path", required=True, type=click.Path(path_type=Path),
+              help="run folder on the shared filesystem (NFS, Lustre, GPFS), the same on every node")
+@click.option("--rl-phase", required=True, type=click.Choice(["rollout", "update", "both"]),
+              help="which phases this job runs: rollout 0-6, update 7-13, both 0-13 per iteration")
+@click.option("--eval-interval", type=int, default=None,
+              help="evaluate at iterations 1, 1+K, 1+2K, ... (required with --rl-phase both; 0 = never)")
+@click.option("--rollout-split", type=click.Choice(["train-only", "eval-only"]), default=None,
+              help="with --rl-phase rollout: roll out train tasks or evaluate")
+@click.option("--num-nodes", type=int, default=1, show_default=True, help="nodes in this job")
+@click.option("--rank-weights", default=None, metavar="W0,W1,...",
+              help="share of the rollout work per node (required when --num-nodes > 1), e.g. 2,1")
+@click.option("--master", is_flag=True, help="this node is rank 0 (or set RANK/NODE_RANK=0)")
+@click.option("--worker", type=int, default=None, metavar="R", help="this node is worker R (1..N-1)")
+@click.option("--debug-mode", is_flag=True, help="use an inference server you run yourself (inference.vllm.debug_url)")
+@click.option("--resume", is_flag=True, help="continue the run in --log-path even though the config changed")
+@click.option("--dry-run", is_flag=True, help="print the config, this rank's plan and commands; touch nothing")
+@click.option("--config", "configs", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="YAML config layered over configs/default.yaml (repeatable)")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+def main(**kw) -> None:
+    """Run this node's part of a baton RL job. Start it with the same --log-path on every node."""
+    args = parse(**kw)
+    from coordination.driver import run_node
+
+    sys.exit(run_node(args))
+
+
+if __name__ == "__main__":
+    main(prog_name=os.environ.get("BATON_PROG", "scripts/run.sh"))

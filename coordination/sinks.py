@@ -1,0 +1,56 @@
+"""Optional metric sinks fed from the per-iteration metrics record: TensorBoard event files
+(`logging.tensorboard: true`) and Weights & Biases (`logging.wandb.mode: offline|online`)."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from coordination.layout import RunLayout
+
+log = logging.getLogger("baton.sinks")
+
+_writers: dict[str, Any] = {}
+
+
+def scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """Flat name -> number view of a metrics record: top-level numbers, per-rank throughput
+    and phase times (so TensorBoard shows stragglers)."""
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("iteration", "policy_iteration"):
+            out[f"run/{k}"] = float(v)
+    for group in ("rollout_tokens_per_s", "trainer_tokens_per_s", "trainer_peak_memory_mb"):
+        for rank, v in (rec.get(group) or {}).items():
+            if isinstance(v, (int, float)):
+                out[f"{group}/rank{rank}"] = float(v)
+    for rank, phases in (rec.get("phase_seconds") or {}).items():
+        for name, times in phases.items():
+            for kind, secs in times.items():
+                out[f"phase_{kind}_s/rank{rank}/{name}"] = float(secs)
+    return out
+
+
+def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
+    values = scalars(rec)
+    step = int(rec["iteration"])
+    if cfg.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        w = _writers.get("tb")
+        if w is None:
+            w = _writers["tb"] = SummaryWriter(log_dir=str(layout.tensorboard_dir))
+        for k, v in values.items():
+            w.add_scalar(k, v, step)
+        w.flush()
+    if cfg.wandb.mode != "disabled":
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError(f"logging.wandb.mode={cfg.wandb.mode} needs the wandb package, which baton does not "
+                               f"install by default: `pip install wandb`, or set logging.wandb.mode=disabled") from None
+        run = _writers.get("wandb")
+        if run is None:
+            layout.wandb_dir.mkdir(parents=True, exist_ok=True)
+            run = _writers["wandb"] = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir),
+                                                 mode=cfg.wandb.mode, resume="allow")
+        run.log(values, step=step)
