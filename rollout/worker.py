@@ -1,0 +1,275 @@
+"""The rollout worker: one rank's share of an iteration's tasks -> scored samples -> chunk files
+-> DONE (DESIGN §6 phases 1 and 5).
+
+Resumable by construction. Chunks are immutable and named with the writer's generation, so a
+restarted (or fenced) process never overwrites anything. On start the worker reads every chunk
+already in its rank folder, whatever generation wrote it, keeps each task's first complete
+group in (sequence, generation) order, and rolls out only the tasks still missing. A node that
+dies mid-rollout therefore loses at most the groups of its last engine call and unflushed
+buffer; nothing is duplicated because DONE names exactly which chunk each task is taken from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from coordination import log
+from coordination.layout import RunLayout
+from coordination.progress import Progress
+from coordination.records import NotThereYet
+from rollout import store
+from rollout.chunks import (Manifest, RolloutError, complete_groups, completion_tokens, list_chunks,
+                            publish_done, read_chunk, read_done, write_chunk)
+from rollout.config import RolloutConfig
+from rollout.engine import Engine, Sample, Sampling
+from rollout.prompts import encode_prompt
+from rollout.rewards import RewardFn
+from rollout.tasks import Task
+
+_log = log.get("rollout")
+
+
+@dataclass
+class RolloutSummary:
+    tasks: int
+    samples: int
+    completion_tokens: int
+    seconds: float
+    chunks: int
+    resumed_tasks: int
+    generated_samples: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass
+class Group:
+    """One task's samples with their rewards."""
+
+    task: Task
+    prompt_ids: list[int]
+    samples: list[Sample]
+    rewards: list[float]
+
+
+def sampling_for(cfg: RolloutConfig, split: str) -> tuple[Sampling, int]:
+    """(Sampling, group size) of a split: training rollouts sample, eval rollouts use the eval settings."""
+    if split == "eval":
+        return Sampling(cfg.max_new_tokens, cfg.eval_temperature, 1.0, cfg.seed), cfg.eval_group_size
+    return Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed), cfg.group_size
+
+
+def call_seed(base: int | None, split: str, iteration: int, task_ids: Sequence[str]) -> int:
+    """Seed of one engine call, from its content: the same tasks give the same samples on a rerun."""
+    h = hashlib.sha256(f"{base}/{split}/{iteration}/".encode())
+    for t in task_ids:
+        h.update(t.encode() + b"\0")
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def roll_groups(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_size: int, sampling: Sampling,
+                reward_fn: RewardFn) -> list[Group]:
+    """Sample `group_size` completions of each task in one engine call and score every one."""
+    prompt_ids = [encode_prompt(tokenizer, t) for t in tasks]
+    results = engine.generate(prompt_ids, group_size, sampling)
+    if len(results) != len(tasks) or any(len(r) != group_size for r in results):
+        raise RolloutError(f"engine {engine.name} returned {[len(r) for r in results]} samples for {len(tasks)} "
+                           f"prompts x {group_size}; the engine is broken")
+    groups = []
+    for task, ids, samples in zip(tasks, prompt_ids, results):
+        rewards = [reward_fn(task, s.text, s.finish_reason) for s in samples]
+        groups.append(Group(task, ids, samples, rewards))
+    return groups
+
+
+def _rows(group: Group, *, split: str, iteration: int, rank: int, generation: int, policy_iteration: int) -> list[dict]:
+    return [{
+        "task_id": group.task.id, "sample_index": j, "prompt": group.task.prompt, "prompt_ids": group.prompt_ids,
+        "completion_ids": s.token_ids, "logprobs": s.logprobs, "text": s.text, "reward": r,
+        "finish_reason": s.finish_reason, "policy_iteration": policy_iteration, "iteration": iteration,
+        "split": split, "rank": rank, "generation": generation,
+    } for j, (s, r) in enumerate(zip(group.samples, group.rewards))]
+
+
+def _resume(layout: RunLayout, split: str, iteration: int, rank: int, generation: int, run_id: str,
+            ids: list[str], group_size: int) -> tuple[Manifest, int]:
+    """Chunks already written for this rank: (manifest of what they cover, next sequence number)."""
+    rank_dir = layout.rollout_rank_dir(split, iteration, rank)
+    chunks = list_chunks(rank_dir)
+    newer = [c.name for c in chunks if c.generation > generation]
+    if newer:
+        raise RolloutError(f"rank {rank}: {rank_dir} holds {newer[0]} of generation {max(c.generation for c in chunks)}, "
+                           f"newer than this process's generation {generation}; this process has been superseded")
+    order = {t: i for i, t in enumerate(ids)}
+    manifest = Manifest(split, iteration, rank, group_size, policy_iteration=0)
+    missing = set(ids)
+    for chunk in chunks:
+        if not missing:
+            break
+        try:
+            table = read_chunk(chunk.path, run_id=run_id, columns=["task_id", "sample_index", "completion_ids"])
+        except store.TrajectoryFileError as exc:
+            # Chunks are published atomically, so this is damage, not a race; its tasks are redone.
+            _log.warning("rank %d: ignoring unreadable chunk (its tasks will be rolled out again): %s", rank, exc)
+            continue
+        taken = sorted(complete_groups(table, missing, group_size), key=order.__getitem__)
+        if taken:
+            manifest.chunks.append({"name": chunk.name, "task_ids": taken})
+            manifest.completion_tokens += completion_tokens(table, taken)
+            missing.difference_update(taken)
+    manifest.resumed_tasks = len(ids) - len(missing)
+    manifest.samples = manifest.resumed_tasks * group_size
+    return manifest, (chunks[-1].seq + 1 if chunks else 0)
+
+
+def rollout_rank(*, engine: Engine, tokenizer: Any, tasks: Sequence[Task], layout: RunLayout, split: str,
+                 iteration: int, rank: int, generation: int, run_id: str, policy_iteration: int,
+                 cfg: RolloutConfig, reward_fn: RewardFn, group_size: int, sampling: Sampling,
+                 on_progress: Callable[[int, int, str], None] | None = None,
+                 fence: Callable[[], None] | None = None) -> RolloutSummary:
+    """Roll out this rank's `tasks` (G = `group_size` samples each), write chunks and DONE.
+
+    Idempotent: a DONE of this generation or an older one that already lists every task is
+    (re)published under this generation and returned without generating anything."""
+    t0 = time.monotonic()
+    fence = fence or (lambda: None)
+    report = on_progress or (lambda done, total, message: None)
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise RolloutError(f"rank {rank}: the task list repeats ids; task ids must be unique")
+    total = len(tasks)
+    done_path = layout.rollout_done(split, iteration, rank)
+    try:
+        previous, previous_gen = read_done(done_path, run_id=run_id)
+    except NotThereYet:
+        previous, previous_gen = None, None
+    if previous_gen is not None and previous_gen > generation:
+        raise RolloutError(f"rank {rank}: {done_path} was written by generation {previous_gen}, newer than this "
+                           f"process's generation {generation}; this process has been superseded")
+    if previous is not None and previous.covers(ids, group_size):
+        if previous_gen != generation:
+            fence()
+            publish_done(done_path, previous, run_id=run_id, generation=generation)
+        report(total, total, f"{split} rollout already done ({total} tasks)")
+        return RolloutSummary(total, previous.samples, previous.completion_tokens, time.monotonic() - t0,
+                              len(previous.chunks), resumed_tasks=total)
+
+    manifest, seq = _resume(layout, split, iteration, rank, generation, run_id, ids, group_size)
+    manifest.policy_iteration = policy_iteration
+    covered = {t for c in manifest.chunks for t in c["task_ids"]}
+    todo = [t for t in tasks if t.id not in covered]
+    _log.info("rank %d %s iter %d: %d tasks x %d samples; %d already in chunks, rolling out %d",
+              rank, split, iteration, total, group_size, len(covered), len(todo))
+    report(len(covered), total, f"rolling out {len(covered)}/{total} {split} tasks")
+
+    buffer: list[Group] = []
+    last_flush = time.monotonic()
+
+    def flush() -> None:
+        nonlocal seq, last_flush
+        if not buffer:
+            return
+        rows = [r for g in buffer for r in _rows(g, split=split, iteration=iteration, rank=rank,
+                                                  generation=generation, policy_iteration=policy_iteration)]
+        path = layout.rollout_chunk(split, iteration, rank, seq, generation)
+        fence()
+        write_chunk(path, rows, run_id=run_id, generation=generation)
+        manifest.chunks.append({"name": path.name, "task_ids": [g.task.id for g in buffer]})
+        seq += 1
+        buffer.clear()
+        last_flush = time.monotonic()
+
+    gen_t0 = time.monotonic()
+    with Progress(f"rank {rank} {split} rollout iter {iteration}", total=len(todo), unit="tasks") as bar:
+        for start in range(0, len(todo), cfg.prompts_per_call):
+            batch = todo[start:start + cfg.prompts_per_call]
+            call = dataclasses.replace(sampling, seed=call_seed(sampling.seed, split, iteration, [t.id for t in batch]))
+            groups = roll_groups(engine, tokenizer, batch, group_size, call, reward_fn)
+            tokens = sum(len(s.token_ids) for g in groups for s in g.samples)
+            manifest.generated_samples += len(groups) * group_size
+            manifest.generated_tokens += tokens
+            manifest.samples += len(groups) * group_size
+            manifest.completion_tokens += tokens
+            buffer.extend(groups)
+            if len(buffer) >= cfg.chunk_groups or time.monotonic() - last_flush >= cfg.chunk_seconds:
+                flush()
+            bar.advance(len(batch), samples=len(groups) * group_size, tokens=tokens)
+            done = len(covered) + start + len(batch)
+            report(done, total, f"rolling out {done}/{total} {split} tasks")
+        flush()
+    manifest.seconds = time.monotonic() - gen_t0
+    fence()
+    publish_done(done_path, manifest, run_id=run_id, generation=generation)
+    elapsed = time.monotonic() - t0
+    rate = manifest.generated_tokens / manifest.seconds if manifest.seconds > 0 else 0.0
+    _log.info("rank %d %s iter %d done: %d tasks, %d samples (%d new), %d chunks, %.1f tokens/s, %.1f s",
+              rank, split, iteration, total, manifest.samples, manifest.generated_samples, len(manifest.chunks),
+              rate, elapsed)
+    return RolloutSummary(total, manifest.samples, manifest.completion_tokens, elapsed, len(manifest.chunks),
+                          manifest.resumed_tasks, manifest.generated_samples, manifest.generated_tokens)
+
+
+# -- command line: roll out one rank by hand (and the crash-and-restart tests) -----------------
+
+def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iteration: int, rank: int,
+               generation: int, run_id: str, rank_weights: str, tasks_per_iteration: int, reward: str,
+               policy_iteration: int, overrides: tuple[str, ...]) -> RolloutSummary:
+    from pathlib import Path
+
+    from coordination.config import load
+    from rollout.engines.transformers_engine import TransformersEngine
+    from rollout.rewards import load_reward
+    from rollout.split import rank_slice, sample_iteration
+    from rollout.tasks import load_tasks
+
+    cfg = load(RolloutConfig, [], list(overrides))
+    weights = [float(w) for w in rank_weights.split(",")]
+    pool = load_tasks(Path(task_file))
+    tasks = pool if tasks_per_iteration == 0 else sample_iteration(
+        pool, tasks_per_iteration, seed=cfg.seed, iteration=iteration)
+    mine = rank_slice(tasks, weights, rank)
+    sampling, group_size = sampling_for(cfg, split)
+    with TransformersEngine() as engine:
+        engine.start(Path(model_dir))
+        return rollout_rank(engine=engine, tokenizer=engine.tokenizer, tasks=mine, layout=RunLayout(Path(log_path)),
+                            split=split, iteration=iteration, rank=rank, generation=generation, run_id=run_id,
+                            policy_iteration=policy_iteration, cfg=cfg, reward_fn=load_reward(reward),
+                            group_size=group_size, sampling=sampling)
+
+
+def main() -> None:
+    import click
+
+    @click.command(context_settings={"show_default": True})
+    @click.option("--log-path", required=True, help="run directory (shared --log-path)")
+    @click.option("--model-dir", required=True, help="Hugging Face model folder to sample from")
+    @click.option("--tasks", "task_file", required=True, help="JSONL task file (the pool)")
+    @click.option("--split", type=click.Choice(["train", "eval"]), default="train")
+    @click.option("--iteration", type=int, default=1)
+    @click.option("--rank", type=int, default=0)
+    @click.option("--generation", type=int, default=1, help="claim generation of this process")
+    @click.option("--run-id", required=True, help="run id the written files carry")
+    @click.option("--rank-weights", default="1", help="comma-separated weight per rank")
+    @click.option("--tasks-per-iteration", type=int, default=0, help="seeded sample size; 0 = the whole file")
+    @click.option("--reward", default="arithmetic", help="arithmetic | math | package.module:function")
+    @click.option("--policy-iteration", type=int, default=0, help="checkpoint iteration that samples")
+    @click.argument("overrides", nargs=-1)
+    def cli(**kw: Any) -> None:
+        """Roll out one rank's share with the transformers engine. OVERRIDES are rollout config
+        keys, e.g. group_size=4 chunk_groups=1."""
+        log.setup(f"rank{kw['rank']} rollout")
+        overrides = kw.pop("overrides")
+        try:
+            summary = _main_impl(overrides=overrides, **kw)
+        except (ValueError, RolloutError) as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"{summary.tasks} tasks, {summary.samples} samples ({summary.resumed_tasks} tasks resumed), "
+                   f"{summary.chunks} chunks, {summary.seconds:.1f} s")
+
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Lifecycle of the vLLM engine against a stand-in server: a module named
+vllm.entrypoints.openai.api_server put first on the server's PYTHONPATH, so the engine launches it
+exactly as it launches vLLM. It serves the routes the engine uses (or fails, or hangs) and keeps a
+child process in its group, as vLLM's engine core does. Sampling itself is tested against real
+vLLM in test_vllm_real.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout.engine import EngineError, Sampling
+from rollout.engines import vllm_server
+from rollout.engines.vllm_engine import VLLMEngine
+from rollout.inference import VLLMConfig
+
+STAND_IN = r'''
+import argparse, json, os, signal, subprocess, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+mode = os.environ.get("FAKE_MODE", "serve")
+p = argparse.ArgumentParser()
+p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--served-model-name")
+args, _ = p.parse_known_args()
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN) if %r else None; time.sleep(600)"
+    % (mode == "stubborn")])
+with open(os.environ["FAKE_PIDS"], "w") as f:
+    f.write(f"{os.getpid()} {child.pid}\n")
+print("stand-in server starting", flush=True)
+if mode == "fail":
+    print("ValueError: head_dim 16 is not supported by the CPU attention backend", file=sys.stderr, flush=True)
+    child.kill()
+    sys.exit(3)
+if mode in ("hang", "stubborn"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN) if mode == "stubborn" else None
+    threading.Event().wait()
+failures = {"left": int(os.environ.get("FAKE_FAIL_FIRST", "0"))}
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def reply(self, code, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(code); self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def do_GET(self):
+        if self.path == "/health":
+            return self.reply(200, {})
+        if self.path == "/v1/models":
+            return self.reply(200, {"data": [{"id": args.served_model_name}]})
+        self.reply(404, {"detail": "Not Found"})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["content-length"] or 0)) or b"{}")
+        if self.path != "/v1/completions":
+            return self.reply(404, {"detail": "Not Found"})
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            return self.reply(503, {"error": "overloaded"})
+        if req["temperature"] == 0 and req["n"] > 1:
+            return self.reply(400, {"error": "n must be 1 when using greedy sampling"})
+        last = req["prompt"][-1]
+        choices = [{"index": j, "text": "x" * (j + 1), "token_ids": [last + j] * j + [2],
+                    "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5] * j + [-1.5]}}
+                   for j in range(req["n"])]
+        self.reply(200, {"choices": choices})
+
+ThreadingHTTPServer((args.host, args.port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    """PYTHONPATH for the server that resolves `vllm.entrypoints.openai.api_server` to the stand-in."""
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(STAND_IN)
+    return tmp_path / "fake"
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def make(tmp_path, stand_in, mode="serve", temperature=1.0, **cfg) -> VLLMEngine:
+    env = {"PYTHONPATH": str(stand_in), "FAKE_MODE": mode, "FAKE_PIDS": str(tmp_path / "pids")}
+    env.update(cfg.pop("env", {}))
+    cfg.setdefault("startup_timeout", 20.0)
+    cfg.setdefault("stop_timeout", 5.0)
+    return VLLMEngine(VLLMConfig(env=env, **cfg), temperature=temperature, log_file=tmp_path / "server.log")
+
+
+def pids(tmp_path) -> list[int]:
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "pids").exists() or not (tmp_path / "pids").read_text().endswith("\n"):
+        if time.monotonic() > deadline:
+            raise AssertionError("the stand-in server never wrote its pids")
+        time.sleep(0.02)
+    return [int(p) for p in (tmp_path / "pids").read_text().split()]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_startup_failure_shows_the_log_tail_and_the_command(tmp_path, stand_in, checkpoint):
+    (tmp_path / "server.log").write_text("RuntimeError: from an earlier start, not this one\n")
+    engine = make(tmp_path, stand_in, mode="fail")
+    with pytest.raises(EngineError) as err:
+        engine.start(checkpoint)
+    msg = str(err.value)
+    assert "earlier start" not in msg
+    assert "exited with code 3" in msg
+    assert "head_dim 16 is not supported" in msg  # from the server log
+    assert "vllm.entrypoints.openai.api_server --model" in msg and str(checkpoint) in msg
+    assert all(gone(p) for p in pids(tmp_path)) and not engine.running
+
+
+def test_startup_timeout_kills_the_whole_group_even_when_it_ignores_sigterm(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in, mode="stubborn", startup_timeout=1.5, stop_timeout=0.5)
+    with pytest.raises(EngineError) as err:
+        engine.start(checkpoint)
+    assert "was not ready after 2 s" in str(err.value) and "startup_timeout" in str(err.value)
+    leader, child = pids(tmp_path)
+    assert gone(leader) and gone(child)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(leader, 0)
+
+
+def test_stop_leaves_no_process_of_the_group_and_is_idempotent(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in)
+    try:
+        engine.start(checkpoint)
+        leader, child = pids(tmp_path)
+        assert engine.server is not None and engine.server.pgid == leader
+        assert os.getpgid(child) == leader and os.getpgid(leader) != os.getpgid(0)
+    finally:
+        engine.stop()
+    assert gone(leader) and gone(child)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(leader, 0)
+    engine.stop()
+    assert not engine.running
+
+
+def test_engine_samples_and_repeats_greedy_completions(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in)
+    try:
+        engine.start(checkpoint)
+        out = engine.generate([[1, 10], [1, 20]], 3, Sampling(max_new_tokens=4, temperature=1.0, seed=5))
+        assert [[s.token_ids for s in g] for g in out] == [[[2], [11, 2], [12, 12, 2]], [[2], [21, 2], [22, 22, 2]]]
+        assert out[0][2].logprobs == [-0.5, -0.5, -1.5] and out[0][2].finish_reason == "stop"
+        greedy = engine.generate([[1, 7]], 3, Sampling(max_new_tokens=4, temperature=0))
+        assert [s.token_ids for s in greedy[0]] == [[2], [2], [2]]
+        assert engine.stats.samples == 9 and engine.stats.requests == 3
+    finally:
+        engine.stop()
+
+
+def test_transient_errors_are_retried(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in, retries=2, env={"FAKE_FAIL_FIRST": "2"})
+    try:
+        engine.start(checkpoint)
+        out = engine.generate([[1, 30]], 1, Sampling(max_new_tokens=2))
+        assert out[0][0].token_ids == [2]
+    finally:
+        engine.stop()
+
+
+def test_a_server_that_keeps_failing_raises_after_bounded_retries(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in, retries=2, env={"FAKE_FAIL_FIRST": "100"})
+    try:
+        engine.start(checkpoint)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            engine.generate([[1, 30]], 1, Sampling(max_new_tokens=2))
+        assert time.monotonic() - t0 < 10
+        msg = str(err.value)
+        assert f"{engine.client.base_url}/v1/completions failed 3 times" in msg and "HTTP 503" in msg
+    finally:
+        engine.stop()
+
+
+def test_a_dead_server_is_reported_with_its_log(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in, retries=5)
+    try:
+        engine.start(checkpoint)
+        os.killpg(engine.server.pgid, signal.SIGKILL)
+        engine.server.proc.wait(timeout=10)
+        with pytest.raises(EngineError) as err:
+            engine.generate([[1, 30]], 1, Sampling(max_new_tokens=2))
+        assert "exited with code -9" in str(err.value) and "stand-in server starting" in str(err.value)
+    finally:
+        engine.stop()
+
+
+def test_requests_whose_logprobs_would_break_the_convention_are_refused(tmp_path, stand_in, checkpoint):
+    raw = make(tmp_path, stand_in, temperature=1.0)
+    try:
+        raw.start(checkpoint)
+        with pytest.raises(EngineError, match="started for temperature 1"):
+            raw.generate([[1, 5]], 2, Sampling(max_new_tokens=2, temperature=0.7))
+        with pytest.raises(EngineError, match="below 0.01"):
+            raw.generate([[1, 5]], 2, Sampling(max_new_tokens=2, temperature=0.005))
+        raw.generate([[1, 5]], 2, Sampling(max_new_tokens=2, temperature=1.0, top_p=0.9))  # raw == convention
+    finally:
+        raw.stop()
+    processed = make(tmp_path, stand_in, temperature=0.7)
+    try:
+        processed.start(checkpoint)
+        with pytest.raises(EngineError, match="top-p truncation"):
+            processed.generate([[1, 5]], 2, Sampling(max_new_tokens=2, temperature=0.7, top_p=0.9))
+        processed.generate([[1, 5]], 2, Sampling(max_new_tokens=2, temperature=0.7))
+    finally:
+        processed.stop()
+
+
+def test_reload_without_dev_routes_is_refused(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in)
+    try:
+        engine.start(checkpoint)
+        with pytest.raises(EngineError, match="between_iterations=reload or sleep"):
+            engine.reload(checkpoint)
+    finally:
+        engine.stop()
+
+
+def test_sleep_without_dev_routes_stops_and_wake_starts_again(tmp_path, stand_in, checkpoint):
+    engine = make(tmp_path, stand_in)
+    try:
+        engine.start(checkpoint)
+        first = engine.server.pgid
+        engine.sleep()
+        assert not engine.running and gone(first)
+        engine.wake(checkpoint)
+        assert engine.running and engine.server.pgid != first
+        # Each start of one engine gets its own server seed.
+        seeds = [engine.spec.argv[engine.spec.argv.index("--seed") + 1]]
+        assert seeds == [str(vllm_server.server_seed(0, 0, 1))]
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def users_server(tmp_path, stand_in):
+    """A stand-in server started by 'the user' (the test), not by the engine."""
+    port = vllm_server.free_port("127.0.0.1")
+    env = dict(os.environ, PYTHONPATH=str(stand_in), FAKE_PIDS=str(tmp_path / "user-pids"))
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                             "--port", str(port), "--served-model-name", "theirs"], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(url + "/health", trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_debug_mode_uses_the_users_server_and_never_starts_or_stops_one(tmp_path, users_server, checkpoint,
+                                                                        monkeypatch):
+    def no_process(*a, **kw):
+        raise AssertionError(f"debug mode launched a process: {a}")
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", no_process)
+    engine = VLLMEngine(VLLMConfig(debug_url=users_server), debug_mode=True)
+    engine.start(checkpoint)
+    out = engine.generate([[1, 40]], 2, Sampling(max_new_tokens=3))
+    assert [s.token_ids for s in out[0]] == [[2], [41, 2]]
+    assert engine.client.model_name == "theirs"  # the user's served name, whatever it is
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model.safetensors").write_bytes(b"")
+    with pytest.raises(EngineError) as err:
+        engine.reload(other)
+    assert "VLLM_SERVER_DEV_MODE=1" in str(err.value) and "Restart your server" in str(err.value)
+    engine.sleep()
+    engine.stop()
+    assert not engine.running
+    assert httpx.get(users_server + "/health", trust_env=False).status_code == 200  # still theirs, still up
+
+
+def test_debug_mode_names_the_url_when_the_users_server_is_down(tmp_path, checkpoint):
+    url = f"http://127.0.0.1:{vllm_server.free_port('127.0.0.1')}"
+    engine = VLLMEngine(VLLMConfig(debug_url=url), debug_mode=True)
+    with pytest.raises(EngineError) as err:
+        engine.start(checkpoint)
+    assert url in str(err.value) and "python -m vllm.entrypoints.openai.api_server" in str(err.value)
+
+
+def test_start_refuses_a_folder_without_weights(tmp_path, stand_in):
+    (tmp_path / "empty").mkdir()
+    engine = make(tmp_path, stand_in)
+    with pytest.raises(EngineError, match="not a Hugging Face checkpoint"):
+        engine.start(tmp_path / "empty")
+    assert not (tmp_path / "pids").exists()
+
+
+def test_cpu_weight_reload_of_a_tied_checkpoint_is_refused_before_launching(tmp_path, stand_in, checkpoint):
+    (checkpoint / "config.json").write_text('{"tie_word_embeddings": true}')
+    for mode in ("reload", "sleep"):
+        engine = VLLMEngine(VLLMConfig(cpu=True, env={"PYTHONPATH": str(stand_in)}), between_iterations=mode,
+                            log_file=tmp_path / "server.log")
+        with pytest.raises(EngineError) as err:
+            engine.start(checkpoint)
+        assert "tie_word_embeddings" in str(err.value) and "between_iterations=restart" in str(err.value)
+    assert not (tmp_path / "server.log").exists()  # nothing was launched
