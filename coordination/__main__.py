@@ -91,5 +91,29 @@ def stop(log_path: Path, cancel: bool) -> None:
                f"(withdraw with: python -m coordination stop --log-path {log_path} --cancel)")
 
 
+@main.command()
+@LOG_PATH
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="folder for the PNGs and summary.md (default: <log-path>/report)")
+@click.option("--json", "as_json", is_flag=True, help="print the per-iteration rows as JSON")
+@click.option("--table", is_flag=True, help="also print the per-iteration table")
+def report(log_path: Path, out: Path | None, as_json: bool, table: bool) -> None:
+    """Learning curves, a per-rank phase timeline, throughput and loss as PNGs plus a Markdown summary."""
+    import json
+
+    from coordination.report import make_report, print_table
+
+    try:
+        res = make_report(log_path, out)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    if table:
+        print_table(res["rows"])
+    click.echo(f"report written to {res['out']}: {', '.join(Path(p).name for p in res['pngs'])} and summary.md")
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -55,7 +55,7 @@ class Barrier:
         a = f" attempt {self.attempt}" if self.attempt > 1 else ""
         return f"barrier {self.phase} {self.name} of iteration {self.iteration}{a}"
 
-    def _read_arrival(self, rank: int) -> Arrival | None:
+    def read_arrival(self, rank: int) -> Arrival | None:
         try:
             rec = try_read(self.node.job.arrival(self.iteration, self.phase, self.name, rank, self.attempt),
                            kind="arrival", run_id=self.node.run_id)
@@ -80,7 +80,7 @@ class Barrier:
 
         A predecessor's arrival is adopted: re-published under this generation, so the master,
         which ignores superseded generations, counts the work the predecessor finished."""
-        mine = self._read_arrival(self.node.rank)
+        mine = self.read_arrival(self.node.rank)
         if mine is None or mine.generation == self.node.generation:
             return mine
         if mine.generation > self.node.generation:
@@ -101,7 +101,7 @@ class Barrier:
             # would only add metadata load; each arrival is read exactly once when it lands.
             while pending:
                 r = pending[0]
-                a = self._read_arrival(r)
+                a = self.read_arrival(r)
                 if a is None or superseded(self.node.job, r, a.generation):
                     return None
                 got[r] = a

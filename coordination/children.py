@@ -3,14 +3,13 @@ watch on the peers while they run, so a dead node ends a collective instead of h
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Iterable
 
 from coordination.node import Node
+from coordination.procgroup import die_with_parent, stop_group
 from coordination.records import ensure_dir
 
 log = logging.getLogger("baton.children")
@@ -18,24 +17,6 @@ log = logging.getLogger("baton.children")
 
 class ChildFailed(RuntimeError):
     """The child exited non-zero or was stopped because a peer was lost."""
-
-
-def stop_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM the child's process group, wait, then SIGKILL; returns when the group is gone."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group (torchrun's workers)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -54,7 +35,8 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     with open(log_file, "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
         out.flush()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
     try:
         while True:
             try:

@@ -23,7 +23,7 @@ from coordination.node import Node
 from coordination.phases import BY_NUMBER, JOB_PHASES
 from coordination.records import publish_record
 from coordination.run_cli import RunArgs
-from coordination.runconfig import RunConfig, load_run_config
+from coordination.runconfig import RunConfig
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
 
 log = logging.getLogger("baton.driver")
@@ -286,11 +286,30 @@ class RLJob:
             return v
         return Verdict("continue", payload=self.rendezvous(step.iteration, 1))
 
+    def _attempt_failed_elsewhere(self, step: Step) -> str | None:
+        """An error another rank already reported for this attempt. A torchrun attempt needs every
+        node: once one has given up (it died, or its trainer failed), launching or waiting here
+        would only block until the rendezvous timeout, so this rank fails the attempt at once."""
+        from coordination.barrier import Barrier
+
+        b = Barrier(self.node, step.iteration, 10, step.spec.name, step.attempt)
+        for r in range(self.args.num_nodes):
+            if r == self.node.rank:
+                continue
+            a = b.read_arrival(r)
+            if a is not None and not a.ok:
+                return f"attempt {step.attempt} already failed on rank {r}: {a.error}"
+        return None
+
     def train(self, step: Step) -> dict:
+        from coordination.children import ChildFailed
         from train.launch import torchrun_command, torchrun_env
 
         if self.checkpoint_done(step.iteration):
             return {"skipped": "checkpoint already published"}
+        failed = self._attempt_failed_elsewhere(step)
+        if failed:
+            raise ChildFailed(failed)
         rdzv = step.retry.payload if step.retry is not None else step.go_payload(9)
         is_host = self.node.is_master
         local = rdzv["addr"] if is_host else own_address(rdzv["addr"])
@@ -298,13 +317,20 @@ class RLJob:
             python=sys.executable, nnodes=self.args.num_nodes, node_rank=self.node.rank,
             nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=f"{rdzv['addr']}:{rdzv['port']}",
             rdzv_id=rdzv["rdzv_id"], is_host=is_host, local_addr=local, module="train.trainer",
-            args=["--plan", str(self.layout.training_plan(step.iteration)), "--attempt", str(step.attempt)])
+            args=["--plan", str(self.layout.training_plan(step.iteration)), "--attempt", str(step.attempt)],
+            join_timeout=int(self.cfg.train.collective_timeout))
         env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
+
+        def watch_attempt() -> None:
+            failed = self._attempt_failed_elsewhere(step)
+            if failed:
+                raise ChildFailed(f"stopped torchrun: {failed}")
+
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
         run_watched(cmd, env=env, log_file=self.log_dir / "trainer.log", node=self.node,
-                    peers=range(self.args.num_nodes), what=f"torchrun (iteration {step.iteration}, attempt "
-                                                           f"{step.attempt})")
+                    peers=range(self.args.num_nodes), on_tick=watch_attempt,
+                    what=f"torchrun (iteration {step.iteration}, attempt {step.attempt})")
         return {"attempt": step.attempt}
 
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
@@ -401,15 +427,9 @@ def _stop_requested(layout: RunLayout):
     return check
 
 
-def run_node(args: RunArgs) -> int:
+def run_node(args: RunArgs, cfg: RunConfig) -> int:
     """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
     logger = blog.setup(f"{args.job} rank{args.rank}")
-    try:
-        cfg = load_run_config(args.configs, args.config_overrides())
-        cfg.check_for(args.rl_phase)
-    except ConfigError as exc:
-        logger.error("%s", exc)
-        return exits.USAGE
     if args.dry_run:
         from coordination.dryrun import dry_run
 

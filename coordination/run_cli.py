@@ -159,9 +159,17 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
 def main(**kw) -> None:
     """Run this node's part of a baton RL job. Start it with the same --log-path on every node."""
     args = parse(**kw)
+    from coordination.config import ConfigError
+    from coordination.runconfig import load_run_config
+
+    try:
+        cfg = load_run_config(args.configs, args.config_overrides())
+        cfg.check_for(args.rl_phase)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     from coordination.driver import run_node
 
-    sys.exit(run_node(args))
+    sys.exit(run_node(args, cfg))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ rank reports the error at the next barrier and the master's GO says retry, abort
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import traceback
 from dataclasses import dataclass, field
@@ -73,7 +74,8 @@ def default_decide(step: Step, arrivals: dict[int, Arrival]) -> Verdict:
 
 
 def failure_summary(step: Step, failed: dict[int, Arrival]) -> str:
-    parts = [f"rank {r}: {a.error}" for r, a in sorted(failed.items())]
+    """One line per failing rank (the first line of its error; the whole error is in its log)."""
+    parts = [f"rank {r}: {(a.error or '').splitlines()[0] if a.error else 'failed'}" for r, a in sorted(failed.items())]
     return f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(parts)
 
 
@@ -183,17 +185,33 @@ class PhaseRunner:
                      phase_name=spec.name)
             self._event(step.iteration, spec, step.attempt, "start")
             try:
+                self._hold(spec)
                 payload = phase.action(step) or {}
             except (Fenced, PeerLost):
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to the master, which decides
                 node.check_fence()  # a fenced process's failure is not news for anyone
                 log.error("phase %d %s failed:\n%s", spec.number, spec.name, traceback.format_exc())
-                ok, error = False, f"{type(exc).__name__}: {exc}"
+                ok, error = False, f"{type(exc).__name__}: {exc}"[:2000]
                 self._error = f"phase {spec.number} {spec.name}: {error}"
             self._event(step.iteration, spec, step.attempt, "end", ok=ok)
         if spec.barrier or ok:
             barrier.arrive(ok, error, payload)
+
+    def _hold(self, spec: PhaseSpec) -> None:
+        """Chaos drills: BATON_HOLD_PHASE=PHASE:SECONDS makes this process wait that long at the
+        start of that phase's action, so an operator (or a test) can kill a node inside it and
+        watch the run recover. Unset in normal runs."""
+        hold = os.environ.get("BATON_HOLD_PHASE", "")
+        if not hold:
+            return
+        try:
+            phase, seconds = hold.split(":")
+            if int(phase) == spec.number:
+                log.warning("BATON_HOLD_PHASE: holding phase %d for %s s", spec.number, seconds)
+                self.node.clock.sleep(float(seconds))
+        except ValueError:
+            raise ValueError(f"BATON_HOLD_PHASE={hold!r} must be PHASE:SECONDS, e.g. 3:20") from None
 
     def _release(self, phase: Phase, step: Step, barrier: Barrier) -> Go:
         node = self.node
