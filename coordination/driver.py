@@ -474,6 +474,11 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
                 job.close_engine()
             except Exception as exc:  # noqa: BLE001 - still release the claim
                 logger.error("could not stop the inference engine: %s", exc)
+        try:
+            from coordination import sinks
+            sinks.close()
+        except Exception as exc:  # noqa: BLE001 - metrics sinks must not hide the run's own outcome
+            logger.warning("could not close the metric sinks: %s", exc)
         if node is not None:
             fenced = node.claim is not None and node.claim.is_fenced(probe=False)
             if not fenced:

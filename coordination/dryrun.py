@@ -91,10 +91,11 @@ def dry_run(args, cfg) -> int:
 
         addr = master_address(cfg.coordination.master_addr)
         cmd = torchrun_command(python=sys.executable, nnodes=args.num_nodes, node_rank=args.rank,
-                               nproc_per_node=cfg.train.nproc_per_node, rdzv_endpoint=f"{addr}:PORT",
+                               nproc_per_node=cfg.train.nproc_per_node, rdzv_endpoint=f"{addr}:29500",
                                rdzv_id=f"RUN-{args.job}-i{it}-a1", is_host=args.is_master,
                                local_addr=addr if args.is_master else "THIS_NODE_ADDR", module="train.trainer",
                                args=["--plan", str(layout.training_plan(it)), "--attempt", "1"])
-        echo(f"  training (phase 10): {shlex.join(cmd)}")
+        text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
+        echo(f"  training (phase 10): {text}")
         echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
     return 0

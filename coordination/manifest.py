@@ -198,9 +198,20 @@ def _is_loopback(addr: str) -> bool:
 
 
 def master_address(configured: str) -> str:
-    """The address workers use to reach this master: the configured one, else this host's address."""
+    """The address workers use to reach this master: the configured one, else the address of the
+    interface that carries the default route (a UDP connect sends nothing), else what the host
+    name resolves to. Many clusters map the host name to 127.0.1.1 in /etc/hosts, hence the
+    route first; a loopback result is refused by workers on other hosts (check_master_reachable)."""
     if configured:
         return configured
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            addr = s.getsockname()[0]
+            if addr and addr != "0.0.0.0":
+                return addr
+        except OSError:
+            pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

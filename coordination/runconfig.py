@@ -49,8 +49,8 @@ class ModelSection:
 @dataclass
 class WandbSection:
     mode: Literal["offline", "online", "disabled"] = option(
-        "disabled", "Weights & Biases logging of the per-iteration metrics: offline (files under <log-path>/wandb), "
-                    "online, or disabled. Needs the wandb package (not installed by default)")
+        "offline", "Weights & Biases logging of the per-iteration metrics (by the master): offline (files under "
+                   "<log-path>/wandb, upload later with `wandb sync`), online, or disabled")
     project: str = option("baton", "W&B project name")
 
 

@@ -1,5 +1,6 @@
-"""Optional metric sinks fed from the per-iteration metrics record: TensorBoard event files
-(`logging.tensorboard: true`) and Weights & Biases (`logging.wandb.mode: offline|online`)."""
+"""Metric sinks fed from the per-iteration metrics record, by the master: TensorBoard event files
+(`logging.tensorboard: true`) and Weights & Biases (`logging.wandb.mode: offline` by default,
+`online`, or `disabled`)."""
 from __future__ import annotations
 
 import logging
@@ -43,14 +44,21 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
             w.add_scalar(k, v, step)
         w.flush()
     if cfg.wandb.mode != "disabled":
-        try:
-            import wandb
-        except ImportError:
-            raise RuntimeError(f"logging.wandb.mode={cfg.wandb.mode} needs the wandb package, which baton does not "
-                               f"install by default: `pip install wandb`, or set logging.wandb.mode=disabled") from None
+        import wandb
+
         run = _writers.get("wandb")
         if run is None:
             layout.wandb_dir.mkdir(parents=True, exist_ok=True)
             run = _writers["wandb"] = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir),
-                                                 mode=cfg.wandb.mode, resume="allow")
+                                                 mode=cfg.wandb.mode, name=layout.root.name)
         run.log(values, step=step)
+
+
+def close() -> None:
+    """Flush and close the sinks this process opened (at the end of a run)."""
+    tb = _writers.pop("tb", None)
+    if tb is not None:
+        tb.close()
+    run = _writers.pop("wandb", None)
+    if run is not None:
+        run.finish()

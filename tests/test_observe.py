@@ -1,0 +1,99 @@
+"""Seeing the run (issue 6): report, metric sinks, dry run."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coordination import sinks, timeline
+from coordination.layout import RunLayout
+from coordination.records import create_record, publish_record
+from coordination.report import make_report
+from tests.e2e import make_assets
+from tests.procs import ROOT, env
+
+RUN = "r-observe"
+
+
+def _fixture_metrics(root: Path) -> RunLayout:
+    lay = RunLayout(root)
+    create_record(lay.run_json, "run", {"config_hash": "x", "created_by": "t"}, run_id=RUN, generation=0)
+    t0 = 1_700_000_000.0
+    for it in (1, 2, 3):
+        rec = {"iteration": it, "train_reward_mean": 0.2 * it, "eval_accuracy": 0.25 + 0.05 * it,
+               "loss": 0.5 / it, "entropy": 1.0 - 0.1 * it,
+               "rollout_tokens_per_s": {"0": 900.0 + it, "1": 450.0 + it},
+               "phase_seconds": {"0": {"01-train-rollout": {"work": 3.0, "wait": 0.0},
+                                       "10-train": {"work": 12.5, "wait": 0.1}},
+                                 "1": {"01-train-rollout": {"work": 4.0, "wait": 0.0}}}}
+        publish_record(lay.metrics(it), "metrics", rec, run_id=RUN, generation=1)
+        for rank in (0, 1):
+            base = t0 + 30 * (it - 1)
+            for ph, start, end in ((1, 0, 3 + rank), (2, 3 + rank, 4.5)):
+                timeline.append(lay.job("both").timeline(rank), {"job": "both", "rank": rank, "iteration": it,
+                                "phase": ph, "name": "x", "attempt": 1, "event": "start", "wall": base + start})
+                timeline.append(lay.job("both").timeline(rank), {"job": "both", "rank": rank, "iteration": it,
+                                "phase": ph, "name": "x", "attempt": 1, "event": "end", "wall": base + end})
+    return lay
+
+
+def test_report_writes_readable_pngs_and_a_summary_with_the_metrics_numbers(tmp_path):
+    import matplotlib.image as mpimg
+
+    lay = _fixture_metrics(tmp_path / "run")
+    res = make_report(lay.root, tmp_path / "out")
+    names = sorted(Path(p).name for p in res["pngs"])
+    assert names == ["learning.png", "loss.png", "throughput.png", "timeline.png"]
+    for p in res["pngs"]:
+        img = mpimg.imread(p)
+        assert img.shape[0] >= 400 and img.shape[1] >= 800, (p, img.shape)
+        assert img[..., :3].std() > 0.01, f"{p} is blank"
+    md = Path(res["summary"]).read_text()
+    assert "| 2 | 0.400 | 0.350 (1) | 0.2500 | 4.0 | - | 12.5 |" in md
+    assert "Eval accuracy: 0.300 (checkpoint 0) -> 0.400 (checkpoint 2), +10.0 points." in md
+    assert [r["eval_accuracy"] for r in res["rows"]] == pytest.approx([0.30, 0.35, 0.40])
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lay = RunLayout(tmp_path)
+
+    class Cfg:
+        tensorboard = True
+
+        class wandb:
+            mode = "disabled"
+
+    try:
+        for it in (1, 2):
+            sinks.emit(Cfg, lay, {"iteration": it, "eval_accuracy": 0.1 * it, "loss": 1.0 / it,
+                                  "rollout_tokens_per_s": {"0": 100.0 * it},
+                                  "phase_seconds": {"1": {"10-train": {"work": 5.0, "wait": 1.0}}}})
+    finally:
+        sinks.close()
+    acc = EventAccumulator(str(lay.tensorboard_dir))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"run/eval_accuracy", "run/loss", "rollout_tokens_per_s/rank0", "phase_work_s/rank1/10-train"} <= set(tags)
+    assert [(e.step, round(e.value, 5)) for e in acc.Scalars("run/eval_accuracy")] == [(1, 0.1), (2, 0.2)]
+
+
+def test_dry_run_prints_plan_split_and_commands_and_writes_nothing(tmp_path):
+    data, model = make_assets(tmp_path / "assets")
+    log = tmp_path / "run"
+    cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both",
+           "--eval-interval", "2", "--num-nodes", "3", "--rank-weights", "2,1,1", "--worker", "2", "--dry-run",
+           f"model.path={model}", "tasks.tasks_per_iteration=40", "inference.engine=vllm",
+           "inference.vllm.python=/opt/vllm/bin/python"]
+    before = sorted(p for p in tmp_path.rglob("*"))
+    res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "tasks_per_iteration: 40" in out                              # the resolved config
+    assert "10 train" in out and "barrier" in out                       # the phase plan
+    assert "train rank 0: 20 tasks" in out and "train rank 2: 10 tasks <- this node" in out
+    assert "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server --model" in out
+    assert "-m torch.distributed.run --nnodes 3" in out and "--rdzv-conf is_host=0" in out
+    assert not log.exists() and sorted(p for p in tmp_path.rglob("*")) == before
