@@ -1,0 +1,98 @@
+"""Checkpoint publication (complete folder renamed into place, then LATEST) and retention."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordination.layout import RunLayout
+from train.checkpoint import (CheckpointError, apply_retention, is_complete, mark_complete, policy_for,
+                              publish_checkpoint, read_latest)
+
+
+def _staged(layout: RunLayout, iteration: int, attempt: int = 1, complete: bool = True) -> Path:
+    folder = layout.checkpoint_staging(iteration, attempt)
+    (folder / "optimizer").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * (100 + iteration))
+    (folder / "config.json").write_text("{}")
+    (folder / "optimizer" / "rank-0.safetensors").write_bytes(b"o" * 10)
+    if complete:
+        mark_complete(folder, iteration=iteration, run_id="run-a")
+    return folder
+
+
+def test_publication_renames_the_complete_folder_then_moves_latest(tmp_path):
+    layout = RunLayout(tmp_path)
+    assert read_latest(layout) is None
+    staging = _staged(layout, 1)
+    final = publish_checkpoint(layout, 1, staging, run_id="run-a")
+    assert final == layout.checkpoint(1) and not staging.exists()
+    assert is_complete(final)
+    assert read_latest(layout) == (1, layout.checkpoint(1))
+    assert policy_for(layout, Path("/base")) == (1, layout.checkpoint(1))
+
+
+def test_publication_is_idempotent_and_cleans_a_duplicate_staging_folder(tmp_path):
+    layout = RunLayout(tmp_path)
+    publish_checkpoint(layout, 1, _staged(layout, 1), run_id="run-a")
+    before = (layout.checkpoint(1) / "model.safetensors").stat().st_mtime_ns
+    duplicate = _staged(layout, 1, attempt=2)
+    assert publish_checkpoint(layout, 1, duplicate, run_id="run-a") == layout.checkpoint(1)
+    assert not duplicate.exists()
+    assert (layout.checkpoint(1) / "model.safetensors").stat().st_mtime_ns == before
+    assert publish_checkpoint(layout, 1, layout.checkpoint_staging(1, 3), run_id="run-a") == layout.checkpoint(1)
+
+
+def test_latest_never_moves_backwards(tmp_path):
+    layout = RunLayout(tmp_path)
+    publish_checkpoint(layout, 2, _staged(layout, 2), run_id="run-a")
+    publish_checkpoint(layout, 1, _staged(layout, 1), run_id="run-a")
+    assert read_latest(layout)[0] == 2
+    assert layout.checkpoint(1).exists()
+
+
+def test_incomplete_staging_is_refused_and_nothing_moves(tmp_path):
+    layout = RunLayout(tmp_path)
+    staging = _staged(layout, 1, complete=False)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        publish_checkpoint(layout, 1, staging, run_id="run-a")
+    assert not layout.checkpoint(1).exists() and read_latest(layout) is None
+
+
+def test_a_file_changed_after_marking_makes_the_folder_incomplete(tmp_path):
+    layout = RunLayout(tmp_path)
+    staging = _staged(layout, 1)
+    assert is_complete(staging)
+    (staging / "model.safetensors").write_bytes(b"short")
+    assert not is_complete(staging)
+    (staging / "model.safetensors").unlink()
+    assert not is_complete(staging)
+
+
+def test_policy_is_the_base_model_before_the_first_publication(tmp_path):
+    assert policy_for(RunLayout(tmp_path), Path("/base")) == (0, Path("/base"))
+
+
+def test_retention_keeps_last_k_protected_and_latest_and_removes_dead_staging(tmp_path):
+    layout = RunLayout(tmp_path)
+    for it in range(1, 7):
+        publish_checkpoint(layout, it, _staged(layout, it), run_id="run-a")
+    dead = _staged(layout, 4, attempt=2, complete=False)        # a failed attempt of a published iteration
+    live = _staged(layout, 7, attempt=1, complete=False)        # the attempt being trained now
+    removed = apply_retention(layout, keep_last=2, protected={1, 3})
+    assert removed == [2, 4]
+    assert [it for it in range(1, 7) if layout.checkpoint(it).exists()] == [1, 3, 5, 6]
+    assert not dead.exists() and live.exists()
+    assert apply_retention(layout, keep_last=2, protected={1, 3}) == []
+
+
+def test_retention_never_removes_latest_even_when_newer_folders_are_unpublished(tmp_path):
+    layout = RunLayout(tmp_path)
+    for it in (1, 2, 3):
+        publish_checkpoint(layout, it, _staged(layout, it), run_id="run-a")
+    # iteration 4 was renamed into place but its LATEST update never happened (crash in between)
+    folder = _staged(layout, 4)
+    folder.rename(layout.checkpoint(4))
+    removed = apply_retention(layout, keep_last=1, protected=set())
+    assert removed == [1, 2]
+    assert layout.checkpoint(3).exists() and layout.checkpoint(4).exists()

@@ -1,0 +1,132 @@
+"""`python -m train.bench [--json]`: training throughput of the tiny model on CPU.
+
+For DDP and FSDP2 on 1 and 2 processes it writes synthetic trajectories, prepares a plan with
+two optimizer steps, launches the real trainer under torchrun and reads the trainer's own step
+metrics: tokens/s of the second (warm) step and the highest peak memory of any rank (peak RSS on
+CPU, peak allocated memory on CUDA). Each process gets one OMP thread by default (--threads):
+on a small or shared machine, OpenMP threads that spin-wait for a busy core make a step many
+times slower, which would measure the neighbours rather than the trainer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, completion_tokens: int, seed: int) -> None:
+    from rollout import store
+
+    rng = random.Random(seed)
+    rows = []
+    for t in range(prompts):
+        prompt = [1] + [rng.randrange(4, tokenizer_size) for _ in range(rng.randrange(6, 12))]
+        for s in range(samples):
+            completion = [rng.randrange(4, tokenizer_size) for _ in range(completion_tokens - 1)] + [2]
+            rows.append({"task_id": f"t{t}", "sample_index": s, "prompt": "", "prompt_ids": prompt,
+                         "completion_ids": completion, "logprobs": [-4.6] * completion_tokens, "text": "",
+                         "reward": float(rng.random() < 0.5), "finish_reason": "stop", "policy_iteration": 0,
+                         "iteration": 1, "split": "train", "rank": 0, "generation": 1})
+    store.write_rows(layout.rollout_all("train", 1), rows)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> dict:
+    from coordination.layout import RunLayout
+    from coordination.records import read_record
+    from train.config import TrainConfig
+    from train.data import prepare_training_data
+    from train.launch import torchrun_command, torchrun_env
+
+    layout = RunLayout(root / f"{backend}-{procs}")
+    _trajectories(layout, 100, opts["prompts"], opts["samples"], opts["completion_tokens"], seed=0)
+    cfg = TrainConfig(backend=backend, steps_per_iteration=2, micro_batch_tokens=opts["micro_batch_tokens"])
+    plan = prepare_training_data(layout, 1, cfg, run_id="bench", world_size=procs, temperature=1.0,
+                                 input_checkpoint=model, input_iteration=0)
+    port = _free_port()
+    cmd = torchrun_command(python=sys.executable, nnodes=1, node_rank=0, nproc_per_node=procs,
+                           rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"bench-{port}", is_host=True, local_addr=None,
+                           module="train.trainer", args=["--plan", str(plan)])
+    threads = opts["threads"] or max(1, (os.cpu_count() or 1) // procs)
+    env = torchrun_env(dict(os.environ, PYTHONPATH=str(REPO)), omp_threads=threads, socket_ifname=None)
+    log = root / f"{backend}-{procs}.log"
+    started = time.monotonic()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(opts["timeout"])
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+    wall = time.monotonic() - started
+    if rc != 0:
+        raise click.ClickException(f"{backend} on {procs} process(es) failed (exit {rc}); see {log}:\n"
+                                   + log.read_text()[-3000:])
+    results = [read_record(layout.training_result(1, 1, r)).data for r in range(procs)]
+    warm = results[0]["steps"][-1]
+    return {"backend": backend, "processes": procs, "threads_per_process": threads, "tokens_per_step": warm["tokens"],
+            "step_seconds": round(warm["seconds"], 4), "tokens_per_s": round(warm["tokens_per_s"], 1),
+            "peak_memory_mb": round(max(r["steps"][-1]["peak_memory_mb"] for r in results), 1),
+            "launch_to_exit_s": round(wall, 1)}
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document instead of a table")
+@click.option("--prompts", default=64, show_default=True, help="groups in the synthetic iteration")
+@click.option("--samples", default=8, show_default=True, help="samples per group")
+@click.option("--completion-tokens", default=12, show_default=True)
+@click.option("--micro-batch-tokens", default=2048, show_default=True)
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="OMP threads per process; 0 = split the cores evenly between the processes")
+@click.option("--timeout", default=600.0, show_default=True, help="seconds allowed per torchrun launch")
+def main(as_json: bool, **opts) -> None:
+    """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU)."""
+    from train.tiny import write_tiny_model
+
+    cases = [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="baton-train-bench-") as tmp:
+        root = Path(tmp)
+        model = write_tiny_model(root / "tiny")
+        params = json.loads((Path(model) / "baton-tiny.json").read_text())["parameters"]
+        for backend, procs in cases:
+            rows.append(_run_case(root, model, backend, procs, opts))
+            if not as_json:
+                click.echo(f"{backend} x{procs}: {rows[-1]['tokens_per_s']:,.0f} tokens/s", err=True)
+    report = {"model": f"train.tiny default ({params:,} parameters)", "device": "cpu", "cpus": os.cpu_count(),
+              "results": rows}
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"train.bench: one GRPO step of the {report['model']} on CPU ({os.cpu_count()} cores)")
+    for col in ("backend", "processes", "threads/proc", "tokens/step", "step s", "tokens/s", "peak MB", "launch s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["backend"], str(r["processes"]), str(r["threads_per_process"]), str(r["tokens_per_step"]),
+                      f"{r['step_seconds']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_mb']:,.0f}",
+                      f"{r['launch_to_exit_s']:.1f}")
+    Console(width=120).print(table)
+
+
+if __name__ == "__main__":
+    main()

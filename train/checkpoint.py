@@ -1,0 +1,170 @@
+"""Checkpoint folders, their publication and retention (DESIGN §6 phase 11).
+
+A checkpoint is a Hugging Face folder (weights, config, tokenizer, generation config) that vLLM
+and transformers load as they are, plus `optimizer/` (one safetensors + JSON pair per trainer
+rank) and `trainer_state.json`. The marker `baton-complete.json` is written last and lists every
+file with its size; a folder is complete only when the marker validates and the files match.
+
+Publication renames a complete staging folder to `checkpoints/iter-N` in one step, and only then
+moves `checkpoints/LATEST` (a JSON record) forward. Readers therefore never see a half-written
+checkpoint, and LATEST never points at one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from coordination.layout import RunLayout, iteration_number
+from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, try_read
+
+MARKER = "baton-complete.json"
+OPTIMIZER_DIR = "optimizer"
+TRAINER_STATE = "trainer_state.json"
+
+_log = logging.getLogger("baton.train.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be published or used; the message says what to do."""
+
+
+def list_files(folder: Path) -> dict[str, int]:
+    """Relative path -> size of every file under `folder` except the marker."""
+    folder = Path(folder)
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != MARKER:
+            out[path.relative_to(folder).as_posix()] = path.stat().st_size
+    return out
+
+
+def mark_complete(folder: Path, *, iteration: int, run_id: str, expected: list[str] = ()) -> None:
+    """Write the completeness marker last, listing every file in `folder` with its size.
+
+    `expected` names files other nodes wrote: a directory listing on NFS may not show them yet
+    (negative lookup caches), but a stat of a known name does, so they are checked by name."""
+    folder = Path(folder)
+    files = list_files(folder)
+    for rel in expected:
+        try:
+            files[rel] = (folder / rel).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{folder / rel} is missing although its writer reported success; "
+                                  f"the shared filesystem lost it: rerun the training attempt") from None
+    publish_record(folder / MARKER, "checkpoint-complete", {"iteration": iteration, "files": files},
+                   run_id=run_id, generation=0)
+
+
+def is_complete(folder: Path) -> bool:
+    """True when `folder` holds a valid marker and every file it lists, with the listed size."""
+    folder = Path(folder)
+    try:
+        rec = read_record(folder / MARKER, kind="checkpoint-complete")
+    except NotThereYet:
+        return False
+    for rel, size in rec.data.get("files", {}).items():
+        try:
+            if (folder / rel).stat().st_size != size:
+                return False
+        except FileNotFoundError:
+            return False
+    return True
+
+
+def read_latest(layout: RunLayout) -> tuple[int, Path] | None:
+    """(iteration, folder) that LATEST names, or None before the first publication."""
+    rec = try_read(layout.latest, kind="latest")
+    if rec is None:
+        return None
+    iteration = int(rec.data["iteration"])
+    return iteration, layout.checkpoint(iteration)
+
+
+def policy_for(layout: RunLayout, base_model: Path) -> tuple[int, Path]:
+    """The policy to sample from or train from: LATEST, or (0, base_model) before any update."""
+    latest = read_latest(layout)
+    if latest is None:
+        return 0, Path(base_model)
+    iteration, folder = latest
+    if not is_complete(folder):
+        raise CheckpointError(
+            f"LATEST names iteration {iteration} but {folder} is missing or incomplete; it was removed or "
+            f"damaged by hand. Restore it, or point LATEST at an older complete checkpoint with "
+            f"`python -m coordination recover`")
+    return iteration, folder
+
+
+def _move_latest(layout: RunLayout, iteration: int, run_id: str) -> None:
+    current = read_latest(layout)
+    if current is not None and current[0] >= iteration:
+        return  # never backwards: a late publication of an old iteration must not undo a newer one
+    publish_record(layout.latest, "latest", {"iteration": iteration, "path": f"iter-{iteration}"},
+                   run_id=run_id, generation=0)
+
+
+def publish_checkpoint(layout: RunLayout, iteration: int, staging: Path, *, run_id: str) -> Path:
+    """Rename the complete folder `staging` to `checkpoints/iter-N`, then move LATEST forward.
+
+    Idempotent: when iter-N is already complete (an earlier call succeeded) only LATEST is
+    brought up to date and a leftover staging folder is removed."""
+    final = layout.checkpoint(iteration)
+    staging = Path(staging)
+    if final.exists():
+        if not is_complete(final):
+            raise CheckpointError(
+                f"{final} exists but is not a complete checkpoint (baton only renames complete folders into "
+                f"place, so something else wrote it); move it away and rerun the training phase")
+        if staging.exists() and staging.resolve() != final.resolve():
+            shutil.rmtree(staging, ignore_errors=True)
+    else:
+        if not is_complete(staging):
+            raise CheckpointError(
+                f"staging folder {staging} is missing or incomplete ({MARKER} absent or files differ); "
+                f"the training attempt did not finish: rerun it")
+        ensure_dir(final.parent)
+        os.rename(staging, final)
+    _move_latest(layout, iteration, run_id)
+    return final
+
+
+def published_iterations(layout: RunLayout) -> list[int]:
+    """Iterations that have a folder under checkpoints/ (a directory listing: call rarely)."""
+    try:
+        names = [p.name for p in layout.checkpoints_dir.iterdir() if p.is_dir()]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in (iteration_number(name) for name in names) if n is not None)
+
+
+def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -> list[int]:
+    """Remove old checkpoints except the last `keep_last`, the `protected` iterations (eval
+    iterations, the one being served) and LATEST's. Returns the iterations removed.
+
+    A checkpoint is first renamed into checkpoints/.trash (so it disappears in one step) and
+    then deleted. Staging folders of iterations LATEST has passed are dead attempts and go too."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1 (got {keep_last})")
+    latest = read_latest(layout)
+    latest_iter = latest[0] if latest else None
+    present = published_iterations(layout)
+    keep = set(present[-keep_last:]) | set(protected)
+    if latest_iter is not None:
+        keep.add(latest_iter)
+    removed = []
+    for iteration in present:
+        if iteration in keep or (latest_iter is not None and iteration > latest_iter):
+            continue
+        trash = ensure_dir(layout.checkpoint_trash_dir) / f"iter-{iteration}-{os.getpid()}"
+        os.rename(layout.checkpoint(iteration), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(iteration)
+    if latest_iter is not None and layout.checkpoint_staging_dir.exists():
+        for path in layout.checkpoint_staging_dir.iterdir():
+            it = iteration_number(path.name.split(".a")[0])
+            if it is not None and it <= latest_iter:
+                shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        _log.info("retention removed checkpoints %s (keeping %s)", removed, sorted(keep & set(present)))
+    return removed

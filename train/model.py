@@ -1,0 +1,85 @@
+"""Building the policy module the trainer differentiates.
+
+`Policy` wraps a Hugging Face causal LM so that one forward returns per-token logprobs and
+entropy of given targets. Parallelism (train/parallel.py) wraps `Policy` itself, which makes it
+the FSDP2 root: the embedding, final norm and LM head it owns are gathered for its forward, while
+each decoder block is its own FSDP2 unit. Later levers hook in here: LoRA (wrap `lm` with peft
+before parallelism), attention implementation (`load_causal_lm`), a chunked LM head
+(train/loss.py), activation checkpointing or torch.compile per block (`decoder_blocks`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from train.loss import token_logprobs_and_entropy
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype forward/backward run in: auto = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars in trainer logs (one line per step is what people read)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def load_causal_lm(path: Path) -> nn.Module:
+    """The model of a Hugging Face folder, in float32: the master weights the optimizer updates.
+    Mixed precision casts copies for compute (parallel.py), never these."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a model from {path}: {exc}") from None
+    return model
+
+
+def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of `lm`: modules whose class the model declares unsplittable."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    blocks = [m for m in lm.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"cannot find the decoder blocks of {type(lm).__name__} (no module of the classes "
+                         f"{sorted(names)}); FSDP2 needs them to shard block by block")
+    return blocks
+
+
+class Policy(nn.Module):
+    """forward(input_ids, attention_mask, targets, temperature) -> (logp, entropy), both [B, T-1]."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        body = getattr(self.lm, self.lm.base_model_prefix)
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return token_logprobs_and_entropy(hidden[:, :-1], self.lm.get_output_embeddings(), targets, temperature)
+
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 pad_token_id: int, eos_token_id: int, synced: bool) -> torch.Tensor:
+        """Greedy continuation of left-padded prompts. Under FSDP2 this is registered as a forward
+        method, so the root's parameters are gathered for it; `synced` keeps every rank stepping
+        until all ranks are done, since each step's forward is a collective."""
+        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                                eos_token_id=eos_token_id, synced_gpus=synced, use_cache=True)
+
+
+def named_master_params(policy: Policy) -> list[tuple[str, nn.Parameter]]:
+    """Parameters under their Hugging Face names (tied weights once), the keys of optimizer state."""
+    return list(policy.lm.named_parameters())

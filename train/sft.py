@@ -1,0 +1,215 @@
+"""Supervised fine-tuning: `python -m train.sft` (one process) or `torchrun ... -m train.sft` (several).
+
+Trains on JSONL examples (train/sft_data.py) with the loss on completion tokens only, normalised
+over the completion tokens of the global batch, with the same model, parallelism and optimizer
+code as the RL trainer, and writes the same checkpoint format (HF folder, trainer_state.json,
+completeness marker; optimizer state with --save-optimizer). The output folder appears only
+when complete (written beside it, then renamed).
+
+With --eval-data and --target-accuracy it stops as soon as greedy exact-match accuracy (scored
+by a rollout reward function) reaches the target: the demo warm-starts the tiny model this way.
+If the target is not reached within --steps, the checkpoint is still written, a warning says so
+and trainer_state.json records `target_reached: false`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+_log = logging.getLogger("baton.train.sft")
+
+
+def _batches(n: int, batch_size: int, seed: int):
+    """Endless seeded stream of index batches, epoch after epoch (same on every rank)."""
+    import numpy as np
+
+    rng = np.random.default_rng([int(seed), 0x5F7])
+    pool: list[int] = []
+    while True:
+        while len(pool) < batch_size:
+            pool.extend(int(i) for i in rng.permutation(n))
+        yield pool[:batch_size]
+        pool = pool[batch_size:]
+
+
+def _micro_batches(examples, batch: list[int], info, budget: int, pad_id: int):
+    """This rank's micro-batches of a global batch (every rank packs the same batch identically)."""
+    from train.batches import collate
+    from train.packing import pack_step
+
+    pack = pack_step(batch, [len(examples[i]) for i in batch], budget=budget, world_size=info.world_size)
+    mine = pack.ranks[info.rank] + [[]] * (pack.micro_batches_per_rank - len(pack.ranks[info.rank]))
+    return [collate([{"prompt_ids": examples[i].prompt_ids, "completion_ids": examples[i].completion_ids}
+                     for i in members], pad_id) for members in mine]
+
+
+def _train(opts: dict, cfg, info) -> dict:
+    """Load, train until --steps or the accuracy target, write the output. Collective."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from coordination.progress import Progress
+    from rollout.rewards import load_reward
+    from rollout.tasks import load_tasks
+    from train.distributed import agreed
+    from train.evaluate import greedy_accuracy
+    from train.model import Policy, compute_dtype, load_causal_lm
+    from train.optim import build_optimizer, lr_at
+    from train.parallel import apply_parallelism
+    from train.sft_data import load_examples
+    from train.step import StepSettings, train_step
+
+    torch.manual_seed(cfg.seed)
+
+    def load():
+        tok = AutoTokenizer.from_pretrained(str(opts["model"]))
+        tasks = load_tasks(opts["eval_data"])[:opts["eval_limit"]] if opts["eval_data"] else []
+        return tok, load_examples(opts["data"], tok), tasks, load_causal_lm(opts["model"])
+
+    tok, examples, eval_tasks, lm = agreed("loading the model and the SFT data", info, load)
+    reward = load_reward(opts["reward"]) if eval_tasks else None
+    dtype = compute_dtype(cfg.dtype, info.device)
+    policy = Policy(lm)
+    model = apply_parallelism(policy, cfg.backend, info, dtype)
+    optimizer = build_optimizer(policy.parameters(), cfg)
+    params = list(policy.parameters())
+    settings = StepSettings(algorithm="sft", backend=cfg.backend, dtype=dtype, grad_clip=cfg.grad_clip)
+    pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
+    generate = policy.generate if cfg.backend == "fsdp" else model.module.generate
+    target = opts["target_accuracy"]
+    _log.info("SFT of %s on %d examples (%s), %d ranks, batch %d, lr %.1e, up to %d steps%s", opts["model"],
+              len(examples), opts["data"], info.world_size, opts["batch_size"], cfg.lr, opts["steps"],
+              f", stop at accuracy {target:.0%} on {len(eval_tasks)} eval tasks" if target is not None else "")
+    losses, evals, accuracy, step = [], [], None, 0
+    stream = _batches(len(examples), opts["batch_size"], cfg.seed)
+    started = time.monotonic()
+    with Progress("sft", total=opts["steps"], unit="steps", interactive=False if info.rank else None) as bar:
+        for step in range(1, opts["steps"] + 1):
+            batch = next(stream)
+            lr = lr_at(step - 1, lr=cfg.lr, schedule="constant", warmup_steps=cfg.warmup_steps, decay_steps=0,
+                       min_ratio=1.0)
+            metrics = train_step(model, params, optimizer,
+                                 _micro_batches(examples, batch, info, cfg.micro_batch_tokens, pad_id), lr=lr,
+                                 global_completion_tokens=sum(len(examples[i].completion_ids) for i in batch),
+                                 settings=settings, info=info)
+            losses.append([step, round(metrics.loss, 5)])
+            bar.advance(1, tokens=metrics.tokens)
+            if info.is_main and (step % opts["log_every"] == 0 or step == 1):
+                _log.info(metrics.line(f"sft step {step}"))
+            if not eval_tasks or (step % opts["eval_every"] and step != opts["steps"]):
+                continue
+            model.eval()
+            accuracy = greedy_accuracy(generate, tok, eval_tasks, reward, info=info,
+                                       batch_size=opts["eval_batch_size"], max_new_tokens=opts["max_new_tokens"],
+                                       synced=cfg.backend == "fsdp" and info.world_size > 1)
+            model.train()
+            evals.append([step, accuracy])
+            if info.is_main:
+                _log.info("sft step %d: greedy accuracy %.1f%% on %d eval tasks", step, 100 * accuracy,
+                          len(eval_tasks))
+            if target is not None and accuracy >= target:
+                break
+    reached = None if target is None else (accuracy is not None and accuracy >= target)
+    if reached is False and info.is_main:
+        _log.warning("accuracy %.1f%% did not reach the target %.1f%% within %d steps; the checkpoint is written "
+                     "anyway -- raise --steps or lower --target-accuracy", 100 * (accuracy or 0), 100 * target,
+                     opts["steps"])
+    summary = {"steps": step, "loss": losses, "eval_accuracy": evals, "target_accuracy": target,
+               "target_reached": reached, "data": str(opts["data"]), "seconds": time.monotonic() - started}
+    _write_output(opts, policy, optimizer, info, cfg.backend, summary)
+    return summary
+
+
+def _write_output(opts: dict, policy, optimizer, info, backend: str, summary: dict) -> None:
+    """The same checkpoint format as RL, written beside --out and renamed into place when complete."""
+    from train.distributed import agreed
+    from train.export import prepare_output_dir, save_checkpoint
+
+    out: Path = opts["out"]
+    staging = out.parent / f".{out.name}.partial"
+    if not opts["save_optimizer"]:
+        optimizer.state.clear()
+    agreed("preparing the output folder", info, lambda: prepare_output_dir(staging, info))
+    save_checkpoint(staging, policy=policy, optimizer=optimizer, info=info, backend=backend, run_id="sft",
+                    iteration=0, tokenizer_source=opts["model"],
+                    trainer_state={"optimizer_step": summary["steps"] if opts["save_optimizer"] else 0,
+                                   "iteration": 0, "algorithm": "sft", "sft": summary})
+    agreed("moving the output into place", info, lambda: os.rename(staging, out) if info.is_main else None)
+
+
+def run_sft(opts: dict) -> int:
+    from coordination import log
+    from coordination.config import ConfigError
+    from train.config import TrainConfig
+    from train.distributed import init_distributed, shutdown
+
+    log.setup(f"sft rank{os.environ.get('RANK', '0')}")
+    try:
+        cfg = TrainConfig(algorithm="rft", backend=opts["backend"], lr=opts["lr"], weight_decay=opts["weight_decay"],
+                          grad_clip=opts["grad_clip"], micro_batch_tokens=opts["micro_batch_tokens"],
+                          warmup_steps=opts["warmup_steps"], dtype=opts["dtype"], seed=opts["seed"])
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    info = init_distributed(cfg.collective_timeout)
+    try:
+        summary = _train(opts, cfg, info)
+    finally:
+        shutdown()
+    if info.is_main:
+        losses = summary["loss"]
+        accuracy = summary["eval_accuracy"][-1][1] if summary["eval_accuracy"] else None
+        _log.info("wrote %s after %d steps (loss %.4f -> %.4f%s)", opts["out"], summary["steps"], losses[0][1],
+                  losses[-1][1], f", accuracy {accuracy:.1%}" if accuracy is not None else "")
+    return 0
+
+
+@click.command()
+@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
+              help="Hugging Face folder to fine-tune")
+@click.option("--data", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
+              help="JSONL: baton tasks (prompt/answer), prompt/completion, or chat messages")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="checkpoint folder to write (new)")
+@click.option("--eval-data", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="baton task JSONL for greedy exact-match accuracy")
+@click.option("--target-accuracy", type=click.FloatRange(0, 1), default=None,
+              help="stop once eval accuracy reaches this (needs --eval-data)")
+@click.option("--eval-every", type=click.IntRange(1), default=25, show_default=True, help="steps between evals")
+@click.option("--eval-limit", type=click.IntRange(1), default=500, show_default=True, help="eval tasks used at most")
+@click.option("--eval-batch-size", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True, help="greedy eval length")
+@click.option("--reward", default="arithmetic", show_default=True, help="rollout reward spec that scores evals")
+@click.option("--steps", type=click.IntRange(1), default=1000, show_default=True, help="maximum optimizer steps")
+@click.option("--batch-size", type=click.IntRange(1), default=256, show_default=True, help="global examples per step")
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--warmup-steps", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--grad-clip", type=float, default=1.0, show_default=True)
+@click.option("--micro-batch-tokens", type=click.IntRange(16), default=16384, show_default=True)
+@click.option("--backend", type=click.Choice(["fsdp", "ddp"]), default="fsdp", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--log-every", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--save-optimizer/--no-save-optimizer", default=False, show_default=True,
+              help="keep Adam state in the checkpoint (an RL run started from it then continues that state)")
+def main(**opts) -> None:
+    """Fine-tune a model on JSONL examples and write a checkpoint folder."""
+    out: Path = opts["out"]
+    if opts["target_accuracy"] is not None and opts["eval_data"] is None:
+        raise click.UsageError("--target-accuracy needs --eval-data (the tasks to measure accuracy on)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise click.UsageError(f"--out {out} already exists and is not empty; choose a new folder or remove it")
+    if out.exists():
+        with contextlib.suppress(FileNotFoundError):  # several ranks may race to remove it
+            out.rmdir()
+    sys.exit(run_sft(opts))
+
+
+if __name__ == "__main__":
+    main()
