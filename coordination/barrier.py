@@ -55,13 +55,15 @@ class Barrier:
         a = f" attempt {self.attempt}" if self.attempt > 1 else ""
         return f"barrier {self.phase} {self.name} of iteration {self.iteration}{a}"
 
-    def read_arrival(self, rank: int) -> Arrival | None:
+    def _read(self, path, kind: str):
         try:
-            rec = try_read(self.node.job.arrival(self.iteration, self.phase, self.name, rank, self.attempt),
-                           kind="arrival", run_id=self.node.run_id)
+            return try_read(path, kind=kind, run_id=self.node.run_id)
         except RecordError as exc:
             log.warning("ignoring %s", exc)
             return None
+
+    def read_arrival(self, rank: int) -> Arrival | None:
+        rec = self._read(self.node.job.arrival(self.iteration, self.phase, self.name, rank, self.attempt), "arrival")
         if rec is None:
             return None
         d = rec.data
@@ -133,11 +135,7 @@ class Barrier:
 
     # -- worker side -------------------------------------------------------------------------
     def read_go(self) -> Go | None:
-        try:
-            rec = try_read(self.go_path, kind="go", run_id=self.node.run_id)
-        except RecordError as exc:
-            log.warning("ignoring %s", exc)
-            return None
+        rec = self._read(self.go_path, "go")
         if rec is None:
             return None
         d = rec.data

@@ -3,12 +3,7 @@
 # on the others, with the same --log-path on a shared filesystem. See README.md and `--help`.
 # This script only finds the interpreter and sets the environment; Python parses the flags.
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="${BATON_PYTHON:-}"
-if [ -z "$python" ]; then
-  if [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"; else python="$(command -v python3)"; fi
-fi
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export BATON_PROG="scripts/run.sh"
 # Small machines: one BLAS thread per process unless the user says otherwise (FIELD-NOTES).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

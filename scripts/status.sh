@@ -1,10 +1,5 @@
 #!/usr/bin/env bash
 # Thin wrapper: python -m coordination status --log-path L [...] (see --help).
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="${BATON_PYTHON:-}"
-if [ -z "$python" ]; then
-  if [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"; else python="$(command -v python3)"; fi
-fi
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 exec "$python" -m coordination status "$@"
