@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -21,6 +22,7 @@ from coordination.config import ConfigError, dump_yaml, to_dict
 from coordination.layout import RunLayout
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, JOB_PHASES
+from coordination.progress import Progress
 from coordination.records import publish_record
 from coordination.run_cli import RunArgs
 from coordination.runconfig import RunConfig
@@ -44,6 +46,43 @@ def own_address(master_addr: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return master_addr
+
+
+class StepProgress:
+    """Training progress on this node's console while torchrun writes to trainer.log: a rich bar
+    on a terminal, periodic log lines otherwise, fed by the trainer's "step k/K" lines."""
+
+    _STEP = re.compile(r" step (\d+)/(\d+) ")
+
+    def __init__(self, log_file: Path, description: str, node: Node):
+        self.log_file, self.description, self.node = log_file, description, node
+        self.offset = log_file.stat().st_size if log_file.exists() else 0
+        self.bar: Progress | None = None
+        self.done = 0
+
+    def update(self) -> None:
+        try:
+            with open(self.log_file, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        text = chunk.decode(errors="replace")
+        complete = text.rfind("\n") + 1  # keep a half-written last line for the next look
+        self.offset += len(text[:complete].encode())
+        for m in self._STEP.finditer(text[:complete]):
+            k, total = int(m.group(1)), int(m.group(2))
+            if self.bar is None:
+                self.bar = Progress(self.description, total=total, unit="steps").__enter__()
+            if k > self.done:
+                self.bar.advance(k - self.done)
+                self.done = k
+                self.node.say(f"{self.description}: step {k}/{total}")
+
+    def close(self) -> None:
+        self.update()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class RunPlan:
@@ -322,15 +361,21 @@ class RLJob:
         env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
 
+        log_file = self.log_dir / "trainer.log"
+        progress = StepProgress(log_file, f"train iter {step.iteration}", self.node)
+
         def watch_attempt() -> None:
+            progress.update()
             failed = self._attempt_failed_elsewhere(step)
             if failed:
                 raise ChildFailed(f"stopped torchrun: {failed}")
 
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
-        run_watched(cmd, env=env, log_file=self.log_dir / "trainer.log", node=self.node,
-                    peers=range(self.args.num_nodes), on_tick=watch_attempt,
-                    what=f"torchrun (iteration {step.iteration}, attempt {step.attempt})")
+        try:
+            run_watched(cmd, env=env, log_file=log_file, node=self.node, peers=range(self.args.num_nodes),
+                        on_tick=watch_attempt, what=f"torchrun (iteration {step.iteration}, attempt {step.attempt})")
+        finally:
+            progress.close()
         return {"attempt": step.attempt}
 
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:

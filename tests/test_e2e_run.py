@@ -169,3 +169,25 @@ def test_master_killed_in_aggregation_resumes_and_the_run_completes(procs, tmp_p
     assert codes["n0-again"] == 0 and codes["n1"] == 0, procs.log("n0-again")[-3000:]
     _check_complete_run(lay, 2, 24, 4, model)
     assert lay.job("both").claim(0, 2).exists()
+
+
+@pytest.mark.vllm
+def test_one_node_run_with_the_vllm_engine_on_cpu(procs, tmp_path, assets):
+    import os
+
+    python = os.environ.get("BATON_VLLM_PYTHON")
+    if not python:
+        pytest.fail("the vllm tier needs BATON_VLLM_PYTHON (scripts/test.sh --all sets it to .venv-vllm/bin/python)")
+    data, model = assets
+    log = fresh_log(tmp_path)
+    over = ("run.max_iterations=2", "inference.engine=vllm", "inference.vllm.cpu=true",
+            f"inference.vllm.python={python}", "inference.between_iterations=restart")
+    procs.start("n0", node_cmd(data, model, log, "--rl-phase", "both", "--eval-interval", "1", overrides=over))
+    assert procs.wait_all(1200) == {"n0": 0}, procs.log("n0")[-4000:]
+    lay = RunLayout(log)
+    _checkpoints_load(lay, [1, 2], model)
+    for it in (1, 2):
+        assert _rows(lay, it).num_rows == 24 * 4
+        assert _metrics(lay, it)["eval_accuracy"] is not None
+    server_log = lay.job("both").log_file(0, "inference").read_text()
+    assert "vllm.entrypoints.openai.api_server" in server_log or "Uvicorn" in server_log or "Started server" in server_log

@@ -97,3 +97,30 @@ def test_dry_run_prints_plan_split_and_commands_and_writes_nothing(tmp_path):
     assert "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server --model" in out
     assert "-m torch.distributed.run --nnodes 3" in out and "--rdzv-conf is_host=0" in out
     assert not log.exists() and sorted(p for p in tmp_path.rglob("*")) == before
+
+
+def test_training_progress_follows_the_trainer_log(tmp_path, caplog):
+    import logging
+
+    from coordination.driver import StepProgress
+
+    said = []
+
+    class FakeNode:
+        def say(self, message, **kw):
+            said.append(message)
+
+    log = tmp_path / "trainer.log"
+    log.write_text("older attempt: iter 1 step 9/9 (ignored: before this attempt started)\n")
+    p = StepProgress(log, "train iter 2", FakeNode())
+    with open(log, "a") as fh:
+        fh.write("04:08:49 [train rank0] INFO baton.train.trainer: iter 2 step 1/4 (optimizer step 5) loss 0.1\n")
+        fh.write("04:08:50 [train rank0] INFO baton.train.trainer: iter 2 step 2/4 (optim")  # half a line
+    with caplog.at_level(logging.INFO, logger="baton.progress"):
+        p.update()
+        assert p.done == 1 and said[-1] == "train iter 2: step 1/4"
+        with open(log, "a") as fh:
+            fh.write("izer step 6) loss 0.2\n... iter 2 step 4/4 (optimizer step 8) loss 0.1\n")
+        p.close()
+    assert p.done == 4 and said[-1] == "train iter 2: step 4/4"
+    assert any("train iter 2: 4/4 steps" in r.getMessage() for r in caplog.records)
