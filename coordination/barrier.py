@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from coordination.claims import superseded
 from coordination.node import Node
-from coordination.records import RecordError, create_record, publish_record, try_read
+from coordination.records import RecordError, create_record, publish_record
 
 log = logging.getLogger("baton.barrier")
 
@@ -56,11 +56,9 @@ class Barrier:
         return f"barrier {self.phase} {self.name} of iteration {self.iteration}{a}"
 
     def _read(self, path, kind: str):
-        try:
-            return try_read(path, kind=kind, run_id=self.node.run_id)
-        except RecordError as exc:
-            log.warning("ignoring %s", exc)
-            return None
+        # Half-written or foreign files are retried; one that stays unusable past
+        # coordination.broken_record_timeout raises BrokenRecord naming it.
+        return self.node.reader.read(path, kind=kind, run_id=self.node.run_id)
 
     def read_arrival(self, rank: int) -> Arrival | None:
         rec = self._read(self.node.job.arrival(self.iteration, self.phase, self.name, rank, self.attempt), "arrival")

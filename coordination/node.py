@@ -19,7 +19,7 @@ from coordination.clock import Backoff, Clock
 from coordination.config import CoordinationConfig
 from coordination.heartbeat import HeartbeatWriter, LivenessTracker, PeerView
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import RecordError, try_read
+from coordination.records import PatientReader, RecordError, try_read
 
 log = logging.getLogger("baton.node")
 
@@ -45,6 +45,7 @@ class Node:
 
     def __post_init__(self) -> None:
         self.liveness = LivenessTracker(self.cfg.peer_timeout, self.clock)
+        self.reader = PatientReader(self.cfg.broken_record_timeout, self.clock.monotonic)
         self._lost_since: dict[int, float] = {}
         self._hints: dict[int, str] = {}
         # Every wait: what it waited for, how long, and the metadata operations made meanwhile.

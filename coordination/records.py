@@ -42,6 +42,10 @@ class NotThereYet(RecordError):
     """Missing, empty, half-written or failing its checksum: retry later."""
 
 
+class Missing(NotThereYet):
+    """The file does not exist (yet)."""
+
+
 class WrongRun(RecordError):
     """A well-formed record that belongs to another run (different run_id)."""
 
@@ -209,7 +213,7 @@ def read_record(path: Path, *, kind: str | None = None, run_id: str | None = Non
         with open(path, "rb") as fh:
             raw = fh.read()
     except FileNotFoundError:
-        raise NotThereYet(f"{path}: does not exist") from None
+        raise Missing(f"{path}: does not exist") from None
     except OSError as exc:
         if exc.errno in (errno.ESTALE, errno.EIO, errno.EAGAIN):
             raise NotThereYet(f"{path}: transient read error ({os.strerror(exc.errno)})") from None
@@ -241,16 +245,15 @@ class PatientReader:
         path = Path(path)
         try:
             rec = read_record(path, kind=kind, run_id=run_id)
-        except NotThereYet as exc:
-            if not path.exists():
-                self._broken_since.pop(path, None)
-                return None
+        except Missing:
+            self._broken_since.pop(path, None)
+            return None
+        except (NotThereYet, WrongRun) as exc:
             since = self._broken_since.setdefault(path, self.clock())
             if self.clock() - since > self.broken_after:
                 raise BrokenRecord(
-                    f"{exc} -- it has stayed unreadable for more than {self.broken_after:.0f} s; "
-                    f"inspect it, or remove it with `python -m coordination recover` so it is written again"
-                ) from None
+                    f"{exc} -- it has stayed unusable for more than {self.broken_after:.0f} s; inspect it, or "
+                    f"remove it with `python -m coordination recover` so it is written again") from None
             return None
         self._broken_since.pop(path, None)
         return rec

@@ -2,6 +2,7 @@
 and bounded waits that name a lost peer."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -152,3 +153,19 @@ def test_wait_names_a_lost_peer_with_its_restart_command_then_gives_up(tmp_path:
     # named within peer_timeout + 2 heartbeat intervals, gave up only after rejoin_timeout
     assert 5 < named_at[0] - start <= 5 + 2 * 1
     assert clock.monotonic() - named_at[0] >= 20
+
+
+def test_arrival_that_stays_garbage_is_retried_then_reported(tmp_path: Path):
+    from coordination.records import BrokenRecord
+
+    clock = FakeClock()
+    master = _node(tmp_path, 0, clock, num_nodes=2)
+    master.cfg = dataclasses.replace(master.cfg, rejoin_timeout=1000)  # rank 1 writes no heartbeat here
+    _node(tmp_path, 1, clock, num_nodes=2)
+    b = Barrier(master, 2, 4, "train-files-ready")
+    b.arrive()
+    bad = master.job.arrival(2, 4, "train-files-ready", 1)
+    bad.write_bytes(b'{"format": "baton/1", "kind": "arri')  # torn write that never completes
+    with pytest.raises(BrokenRecord, match=r"rank-1.*unusable for more than 60 s"):
+        b.wait_arrivals([0, 1])
+    assert clock.monotonic() - 1000 >= 60
