@@ -500,9 +500,11 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         logger.info("logs of this rank: %s (driver), %s (inference), %s (trainer)", logfile,
                     node.job.log_file(args.rank, "inference"), node.job.log_file(args.rank, "trainer"))
         job = RLJob(args, cfg, node)
+        done = f"run.max_iterations ({cfg.run.max_iterations}) reached" + (
+            ", final checkpoint evaluated" if job.plan.final_eval_on else "")
         runner = PhaseRunner(node, job.phases(), max_iterations=job.plan.last_iteration,
                              stop_requested=_stop_requested(layout),
-                             gc_keep_iterations=cfg.coordination.gc_keep_iterations)
+                             gc_keep_iterations=cfg.coordination.gc_keep_iterations, finished_reason=done)
         outcome = runner.run()
         final_message = f"finished: {outcome.stopped}"
         logger.info("%s (%d iterations run by this process)", final_message, outcome.iterations_run)

@@ -87,7 +87,8 @@ class Outcome:
 
 class PhaseRunner:
     def __init__(self, node: Node, phases: list[Phase], *, max_iterations: int,
-                 stop_requested: Callable[[], str | None] = lambda: None, gc_keep_iterations: int = 3):
+                 stop_requested: Callable[[], str | None] = lambda: None, gc_keep_iterations: int = 3,
+                 finished_reason: str | None = None):
         if not phases:
             raise ValueError("a job needs at least one phase")
         self.node = node
@@ -95,6 +96,7 @@ class PhaseRunner:
         self.max_iterations = max_iterations
         self.stop_requested = stop_requested
         self.gc_keep = gc_keep_iterations
+        self.finished_reason = finished_reason or f"max_iterations ({max_iterations}) reached"
         if not any(p.spec.barrier for p in phases):
             raise ValueError("a job's phase table must contain at least one barrier")
         self.final = -1  # the last barrier enabled in the current iteration
@@ -123,7 +125,7 @@ class PhaseRunner:
         ran = 0
         while True:
             if it > self.max_iterations:
-                return Outcome(ran, f"max_iterations ({self.max_iterations}) reached")
+                return Outcome(ran, self.finished_reason)
             go = self.run_iteration(it)
             ran += 1
             if go.decision == "stop":
@@ -224,7 +226,7 @@ class PhaseRunner:
         if step.spec.number == self.final and verdict.decision == "continue":
             reason = self.stop_requested()
             if reason is None and step.iteration >= self.max_iterations:
-                reason = f"max_iterations ({self.max_iterations}) reached"
+                reason = self.finished_reason
             if reason is not None:
                 verdict = Verdict("stop", reason, verdict.payload)
         go = barrier.release(verdict.decision, verdict.reason, verdict.payload, arrivals)
