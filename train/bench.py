@@ -1,4 +1,5 @@
 """`python -m train.bench [--json]`: training throughput of the tiny model on CPU.
+`python -m train.bench --levers [--json]`: the memory/speed levers against plain (train/bench_levers.py).
 
 For DDP and FSDP2 on 1 and 2 processes it writes synthetic trajectories, prepares a plan with
 two optimizer steps, launches the real trainer under torchrun and reads the trainer's own step
@@ -87,8 +88,18 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
             "launch_to_exit_s": round(wall, 1)}
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document instead of a table")
+@click.option("--levers", is_flag=True,
+              help="instead: tokens/s and memory of plain, ac, ac_offloading, chunked logprobs, LoRA and compile "
+                   "on a small Llama, as ratios to plain")
+@click.option("--hidden", default=512, show_default=True, help="--levers: hidden size of the small Llama")
+@click.option("--layers", default=8, show_default=True, help="--levers: decoder blocks")
+@click.option("--vocab", default=32000, show_default=True, help="--levers: vocabulary size")
+@click.option("--seq-len", default=1024, show_default=True, help="--levers: tokens per sequence")
+@click.option("--batch-size", default=1, show_default=True, help="--levers: sequences per step")
+@click.option("--warmup-steps", default=1, show_default=True, help="--levers: warm-up steps (include compilation)")
+@click.option("--steps", default=3, show_default=True, help="--levers: measured steps")
 @click.option("--prompts", default=64, show_default=True, help="groups in the synthetic iteration")
 @click.option("--samples", default=8, show_default=True, help="samples per group")
 @click.option("--completion-tokens", default=12, show_default=True)
@@ -96,9 +107,22 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 @click.option("--threads", type=int, default=1, show_default=True,
               help="OMP threads per process; 0 = split the cores evenly between the processes")
 @click.option("--timeout", default=600.0, show_default=True, help="seconds allowed per torchrun launch")
-def main(as_json: bool, **opts) -> None:
-    """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU)."""
+def main(as_json: bool, levers: bool, **opts) -> None:
+    """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU),
+    or with --levers each memory/speed lever against plain."""
     from train.tiny import write_tiny_model
+
+    if levers:
+        from train.bench_levers import print_levers, run_levers
+
+        opts["threads"] = opts["threads"] or 1
+        with tempfile.TemporaryDirectory(prefix="baton-train-levers-") as tmp:
+            report = run_levers(opts, Path(tmp), echo=lambda text: click.echo(text, err=True))
+        if as_json:
+            click.echo(json.dumps(report, indent=1))
+        else:
+            print_levers(report)
+        return
 
     cases = [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)]
     rows = []

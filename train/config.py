@@ -1,15 +1,108 @@
-"""The `train` config section: algorithm, parallelism, optimizer, schedule, retention.
+"""The `train` config section: algorithm, parallelism, optimizer, schedule, retention, and the
+memory and speed levers (FSDP2 options, activation checkpointing and offloading, optimizer
+offload, chunked LM head, LoRA, torch.compile, attention implementation).
 
 Defaults are the GRPO settings FIELD-NOTES measured to learn on the tiny model: AdamW lr 2e-4,
 ratio clip [0.8, 1.28], 4 optimizer steps per iteration, gradient clip 1, std-normalised
-advantages, zero-std groups dropped.
+advantages, zero-std groups dropped. The levers default to off except the chunked LM head, which
+gives the plain results (within 1e-5) in a fraction of the memory.
+
+Checks that need the machine (is flash-attn installed? does dp_replicate divide the number of
+trainer processes?) run when the trainer starts (train/build.py `preflight`), not here: a login
+node without GPUs must still be able to read a config meant for GPU nodes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from coordination.config import ConfigError, non_negative, option, positive
+from coordination.config import ConfigError, non_negative, option, positive, section
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+AC_NAMED_TARGETS = ("attention", "matmul")
+
+
+def check_world_size(dp_replicate: int, world_size: int) -> None:
+    """HSDP arranges the trainer processes as dp_replicate x dp_shard: dp_replicate must divide them."""
+    if dp_replicate < 1 or world_size % dp_replicate:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"train.dp_replicate={dp_replicate} does not divide the number of trainer processes "
+                          f"({world_size} = nodes x train.nproc_per_node); HSDP arranges them as dp_replicate x "
+                          f"dp_shard, so set train.dp_replicate to one of {divisors} (1 = plain FSDP)")
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    """Recompute decoder blocks in backward instead of keeping their activations."""
+
+    freq: int = option(0, "checkpoint every N-th decoder block (blocks 0, N, 2N, ...; 1 = every block); 0 = off")
+    mode: Literal["full", "selective"] = option(
+        "full", "full: a checkpointed block keeps only its input and is recomputed in backward; selective: it also "
+                "keeps the outputs of the `targets` operators, which the recomputation then skips")
+    targets: list[str] = option(
+        factory=lambda: ["attention"],
+        help="selective mode: operators whose outputs are kept: attention (the scaled-dot-product attention "
+             "kernels), matmul (mm/addmm/bmm: the projections), or aten operators like aten.mm or aten.mm.default")
+
+    def __post_init__(self) -> None:
+        if self.freq < 0:
+            raise ConfigError(f"freq must be 0 (off) or a positive block interval (got {self.freq})")
+        bad = [t for t in self.targets if t not in AC_NAMED_TARGETS and not t.startswith("aten.")]
+        if bad:
+            raise ConfigError(f"targets {bad} are not operators; use attention, matmul, or aten operator "
+                              f"names like aten.mm")
+        if self.mode == "selective" and not self.targets:
+            raise ConfigError("targets is empty but mode=selective keeps the outputs of the targets; name at least one "
+                              "(e.g. [attention]) or use mode=full")
+
+
+@dataclass
+class ActivationOffloadingConfig:
+    """Keep activations saved for backward in host memory (saved-tensor hooks)."""
+
+    enabled: bool = option(
+        False, "copy every activation saved for backward to host memory during forward and back during backward; "
+               "combine with train.ac so that only block inputs remain to be copied")
+    max_inflight_activations: int = option(
+        5, "CUDA: copies to host memory in flight at once; a device tensor is freed when its copy completes, so "
+           "more overlaps copying with compute and holds more device memory")
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_activations < 1:
+            raise ConfigError(f"max_inflight_activations must be at least 1 "
+                              f"(got {self.max_inflight_activations})")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft) instead of training every weight."""
+
+    rank: int = option(0, "LoRA rank r; 0 = off (train every weight). Only the adapters train and have optimizer state")
+    alpha: float = option(16.0, "LoRA scaling numerator: the update is (alpha / rank) * B @ A")
+    dropout: float = option(0.0, "dropout on the adapter input (0 keeps training deterministic)")
+    target_modules: list[str] = option(
+        factory=lambda: list(LORA_TARGETS),
+        help="names of the linear layers that get adapters (peft target_modules), e.g. [q_proj, v_proj]")
+    publish: Literal["merged", "adapters"] = option(
+        "merged", "what checkpoints carry: merged (full weights with the adapters merged, served as they are, plus "
+                  "the adapters in adapter/) or adapters (only adapter/, for an engine that hot-loads LoRA adapters "
+                  "onto the base model)")
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"rank must be 0 (off) or positive (got {self.rank})")
+        positive(self.alpha, "alpha")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout must be in [0, 1) (got {self.dropout!r})")
+        if self.rank and not self.target_modules:
+            raise ConfigError("target_modules is empty; name the layers to adapt, e.g. [q_proj, v_proj]")
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile of each decoder block."""
+
+    fullgraph: bool = option(False, "compile each block as one graph (an error instead of a graph break)")
 
 
 @dataclass
@@ -55,6 +148,32 @@ class TrainConfig:
     rft_min_reward: float = option(1.0, "rft: a sample is kept when its reward is at least this")
     collective_timeout: float = option(
         600.0, "seconds a trainer rank waits in one collective (a dead peer is reported after this at most)")
+    reshard_after_forward: bool = option(
+        True, "fsdp: free each decoder block's gathered parameters after its forward and gather them again for "
+              "backward; false keeps them gathered until backward (one all-gather less per block, more memory)")
+    dp_replicate: int = option(
+        1, "fsdp: HSDP replicate degree. The trainer processes form a dp_replicate x dp_shard mesh: parameters are "
+           "sharded over dp_shard = processes / dp_replicate ranks and replicated dp_replicate times; must divide "
+           "the number of processes (1 = plain FSDP)")
+    fsdp_cpu_offload: bool = option(
+        False, "fsdp: keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy); "
+               "the optimizer step runs on the CPU. Excludes optim_cpu_offload")
+    optim_cpu_offload: bool = option(
+        False, "keep only the optimizer state in CPU memory between steps (moved to the device for each step). "
+               "Excludes fsdp_cpu_offload")
+    ac: ActivationCheckpointConfig = section(ActivationCheckpointConfig, "activation checkpointing")
+    ac_offloading: ActivationOffloadingConfig = section(ActivationOffloadingConfig, "activation offloading")
+    fused_lm_head_token_chunk_size: int | Literal["auto", "disabled"] = option(
+        "auto", "compute the logprobs and entropy of the sampled tokens this many tokens at a time, never holding the "
+                "[tokens, vocab] logits (recomputed per chunk in backward); auto = about 16M logits per chunk "
+                "(512 tokens for a 32k vocabulary); disabled = all logits at once")
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters")
+    compile: CompileConfig | None = option(
+        None, "torch.compile each decoder block: {} (or {fullgraph: true}) to enable, null = eager. "
+              "On the command line: train.compile={}")
+    attn: Literal["sdpa", "flash_attention_2", "eager"] = option(
+        "sdpa", "attention implementation of transformers: sdpa (PyTorch), flash_attention_2 (needs the flash-attn "
+                "package and CUDA), eager (reference)")
 
     def __post_init__(self) -> None:
         positive(self.lr, "train.lr")
@@ -94,3 +213,16 @@ class TrainConfig:
         if self.nproc_per_node < 1:
             raise ConfigError(f"train.nproc_per_node must be at least 1 (got {self.nproc_per_node})")
         positive(self.collective_timeout, "train.collective_timeout")
+        if self.fsdp_cpu_offload and self.optim_cpu_offload:
+            raise ConfigError("train.fsdp_cpu_offload and train.optim_cpu_offload are mutually exclusive: "
+                              "fsdp_cpu_offload already keeps the optimizer state (with parameters and gradients) in "
+                              "CPU memory. Set one of them to false")
+        if self.dp_replicate < 1:
+            raise ConfigError(f"train.dp_replicate must be at least 1 (got {self.dp_replicate}); 1 = plain FSDP")
+        if self.backend == "ddp" and (self.dp_replicate != 1 or self.fsdp_cpu_offload):
+            raise ConfigError("train.dp_replicate and train.fsdp_cpu_offload are FSDP2 options but train.backend=ddp; "
+                              "set train.backend=fsdp or drop them")
+        chunk = self.fused_lm_head_token_chunk_size
+        if isinstance(chunk, int) and chunk < 1:
+            raise ConfigError(f"train.fused_lm_head_token_chunk_size must be auto, disabled or a positive number of "
+                              f"tokens (got {chunk})")

@@ -28,7 +28,7 @@ from coordination.records import NotThereYet, WrongRun, publish_record, read_rec
 from rollout import store
 from train.advantages import Selection, grpo_selection, rft_selection
 from train.batches import sha256_of, write_shard
-from train.config import TrainConfig
+from train.config import TrainConfig, check_world_size
 from train.packing import pack_step, split_steps
 
 _log = logging.getLogger("baton.train.data")
@@ -134,6 +134,8 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
         raise TrainingDataError("train.kl_coef > 0 needs a reference model: pass reference_model (the base model)")
     if world_size < 1:
         raise TrainingDataError(f"world_size must be at least 1 (got {world_size})")
+    if cfg.backend == "fsdp":
+        check_world_size(cfg.dp_replicate, world_size)   # fail here, before every node launches torchrun
 
     source = layout.rollout_all("train", iteration)
     rows = _read_trajectories(source, iteration)

@@ -3,17 +3,20 @@
 `Policy` wraps a Hugging Face causal LM so that one forward returns per-token logprobs and
 entropy of given targets. Parallelism (train/parallel.py) wraps `Policy` itself, which makes it
 the FSDP2 root: the embedding, final norm and LM head it owns are gathered for its forward, while
-each decoder block is its own FSDP2 unit. Later levers hook in here: LoRA (wrap `lm` with peft
-before parallelism), attention implementation (`load_causal_lm`), a chunked LM head
-(train/loss.py), activation checkpointing or torch.compile per block (`decoder_blocks`).
+each decoder block is its own FSDP2 unit. The memory and speed levers (assembled in
+train/build.py) hook in here: the attention implementation (`load_causal_lm`), LoRA layers that
+peft injects into `lm`, the chunked LM head and activation offloading (`Policy`), activation
+checkpointing and torch.compile per block (`decoder_blocks`).
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from train.chunked_head import chunked_logprobs_and_entropy
 from train.loss import token_logprobs_and_entropy
 
 
@@ -32,14 +35,15 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def load_causal_lm(path: Path) -> nn.Module:
+def load_causal_lm(path: Path, attn: str = "sdpa") -> nn.Module:
     """The model of a Hugging Face folder, in float32: the master weights the optimizer updates.
-    Mixed precision casts copies for compute (parallel.py), never these."""
+    Mixed precision casts copies for compute (parallel.py), never these. `attn` is the transformers
+    attention implementation (sdpa, flash_attention_2 or eager; see train/build.py for the checks)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load a model from {path}: {exc}") from None
     return model
@@ -56,17 +60,27 @@ def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
 
 
 class Policy(nn.Module):
-    """forward(input_ids, attention_mask, targets, temperature) -> (logp, entropy), both [B, T-1]."""
+    """forward(input_ids, attention_mask, targets, temperature) -> (logp, entropy), both [B, T-1].
 
-    def __init__(self, lm: nn.Module):
+    `head_chunk`: tokens per chunk of the chunked LM head (None = all logits at once);
+    `activation_offload`: a context (train/offload.py) the forward runs in, or None."""
+
+    def __init__(self, lm: nn.Module, *, head_chunk: int | None = None,
+                 activation_offload: contextlib.AbstractContextManager | None = None):
         super().__init__()
         self.lm = lm
+        self.head_chunk = head_chunk
+        self.activation_offload = activation_offload
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         body = getattr(self.lm, self.lm.base_model_prefix)
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return token_logprobs_and_entropy(hidden[:, :-1], self.lm.get_output_embeddings(), targets, temperature)
+        with self.activation_offload if self.activation_offload is not None else contextlib.nullcontext():
+            hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            head = self.lm.get_output_embeddings()
+            if self.head_chunk is not None:
+                return chunked_logprobs_and_entropy(hidden[:, :-1], head, targets, temperature, self.head_chunk)
+            return token_logprobs_and_entropy(hidden[:, :-1], head, targets, temperature)
 
 
     @torch.no_grad()
@@ -81,5 +95,10 @@ class Policy(nn.Module):
 
 
 def named_master_params(policy: Policy) -> list[tuple[str, nn.Parameter]]:
-    """Parameters under their Hugging Face names (tied weights once), the keys of optimizer state."""
-    return list(policy.lm.named_parameters())
+    """Trained parameters under their Hugging Face names (tied weights once), the keys of optimizer
+    state. With LoRA these are the adapters only: the frozen base weights have no optimizer state."""
+    return [(n, p) for n, p in policy.lm.named_parameters() if p.requires_grad]
+
+
+def trainable_parameters(policy: Policy) -> list[nn.Parameter]:
+    return [p for p in policy.parameters() if p.requires_grad]

@@ -1,12 +1,19 @@
 """Data parallelism over the trainer ranks: FSDP2 (`fully_shard`) or DDP.
 
-FSDP2 follows the PyTorch recipe: `fully_shard` each decoder block, then the root module, on a
-1-D device mesh over all ranks; on CUDA a `MixedPrecisionPolicy` computes in bfloat16 and
-reduces gradients in float32 while the sharded float32 parameters stay the optimizer's master
-weights. DDP replicates the float32 model and uses autocast for a lower compute dtype.
+FSDP2 follows the PyTorch recipe: `fully_shard` each decoder block, then the root module; on
+CUDA a `MixedPrecisionPolicy` computes in bfloat16 and reduces gradients in float32 while the
+sharded float32 parameters stay the optimizer's master weights. DDP replicates the float32 model
+and uses autocast for a lower compute dtype.
 
-Later levers are options of `apply_parallelism`: reshard_after_forward, an HSDP 2-D mesh, CPU
-offload (`OffloadPolicy`), activation checkpointing per block, torch.compile per block.
+FSDP2's options are config keys (train/config.py):
+- `reshard_after_forward`: free each block's gathered parameters after its forward (gathered
+  again for backward) or keep them until backward (less communication, more memory);
+- `dp_replicate`: HSDP, a 2-D mesh (dp_replicate x dp_shard): parameters are sharded within a
+  group of dp_shard ranks (usually one node) and replicated across the dp_replicate groups, so
+  all-gathers stay inside a group and only gradients cross groups;
+- `fsdp_cpu_offload`: FSDP2's `CPUOffloadPolicy`: sharded parameters, their gradients and the
+  optimizer state live in CPU memory; each block's parameters are copied to the device for its
+  forward and backward, and the optimizer step runs on the CPU.
 """
 from __future__ import annotations
 
@@ -16,28 +23,50 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from coordination.config import ConfigError
+from train.config import check_world_size
 from train.distributed import DistInfo
 from train.model import Policy, decoder_blocks
 
 
-def apply_parallelism(policy: Policy, backend: str, info: DistInfo, dtype: torch.dtype) -> nn.Module:
+def device_mesh(info: DistInfo, dp_replicate: int):
+    """1-D mesh over all ranks, or the 2-D (dp_replicate, dp_shard) mesh of HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    check_world_size(dp_replicate, info.world_size)
+    if dp_replicate == 1:
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(info.device.type, (dp_replicate, info.world_size // dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def apply_parallelism(policy: Policy, backend: str, info: DistInfo, dtype: torch.dtype, *,
+                      reshard_after_forward: bool = True, dp_replicate: int = 1,
+                      cpu_offload: bool = False) -> nn.Module:
     """Return the module to call for forward/backward; `policy` keeps its parameters (sharded
     DTensors under FSDP2, the replicated tensors under DDP)."""
     if backend == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                            register_fsdp_forward_method)
 
-        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        mesh = device_mesh(info, dp_replicate)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
             else MixedPrecisionPolicy()
+        # Pinned host memory makes the copies to the GPU asynchronous; there is none without CUDA.
+        offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cpu_offload else OffloadPolicy()
         for block in decoder_blocks(policy.lm):
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(policy, mesh=mesh, mp_policy=mp)  # the root: embedding, final norm, LM head
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=reshard_after_forward)
+        # The root (embedding, final norm, LM head) is left to FSDP2's default (None), which keeps
+        # its parameters gathered from the forward to the backward that follows at once.
+        fully_shard(policy, mesh=mesh, mp_policy=mp, offload_policy=offload)
         register_fsdp_forward_method(policy, "generate")
         return policy
     if backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if dp_replicate != 1 or cpu_offload:
+            raise ConfigError("train.dp_replicate and train.fsdp_cpu_offload are FSDP2 options; set train.backend=fsdp")
         policy.to(info.device)
         ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(policy, device_ids=ids)
@@ -67,6 +96,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     from torch.distributed.tensor import DTensor
 
     grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
     else:

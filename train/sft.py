@@ -10,6 +10,9 @@ With --eval-data and --target-accuracy it stops as soon as greedy exact-match ac
 by a rollout reward function) reaches the target: the demo warm-starts the tiny model this way.
 If the target is not reached within --steps, the checkpoint is still written, a warning says so
 and trainer_state.json records `target_reached: false`.
+
+Trailing `key=value` arguments set any `train` config key, e.g. the memory levers
+(`ac.freq=1 lora.rank=8`); `--bench` benchmarks SFT steps on fake data (train/benchmark.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import time
 from pathlib import Path
 
 import click
+
+from train.benchmark import bench_options
 
 _log = logging.getLogger("baton.train.sft")
 
@@ -57,29 +62,27 @@ def _train(opts: dict, cfg, info) -> dict:
     from coordination.progress import Progress
     from rollout.rewards import load_reward
     from rollout.tasks import load_tasks
+    from train.build import load_model, make_trainable, preflight
     from train.distributed import agreed
     from train.evaluate import greedy_accuracy
-    from train.model import Policy, compute_dtype, load_causal_lm
-    from train.optim import build_optimizer, lr_at
-    from train.parallel import apply_parallelism
+    from train.optim import lr_at
     from train.sft_data import load_examples
     from train.step import StepSettings, train_step
 
+    agreed("checking the trainer settings", info, lambda: preflight(cfg, info))
     torch.manual_seed(cfg.seed)
 
     def load():
         tok = AutoTokenizer.from_pretrained(str(opts["model"]))
         tasks = load_tasks(opts["eval_data"])[:opts["eval_limit"]] if opts["eval_data"] else []
-        return tok, load_examples(opts["data"], tok), tasks, load_causal_lm(opts["model"])
+        return tok, load_examples(opts["data"], tok), tasks, load_model(cfg, opts["model"], None)
 
-    tok, examples, eval_tasks, lm = agreed("loading the model and the SFT data", info, load)
+    tok, examples, eval_tasks, loaded = agreed("loading the model and the SFT data", info, load)
     reward = load_reward(opts["reward"]) if eval_tasks else None
-    dtype = compute_dtype(cfg.dtype, info.device)
-    policy = Policy(lm)
-    model = apply_parallelism(policy, cfg.backend, info, dtype)
-    optimizer = build_optimizer(policy.parameters(), cfg)
-    params = list(policy.parameters())
-    settings = StepSettings(algorithm="sft", backend=cfg.backend, dtype=dtype, grad_clip=cfg.grad_clip)
+    t = make_trainable(loaded, cfg, info)
+    policy, model, optimizer, params = t.policy, t.model, t.optimizer, t.params
+    settings = StepSettings(algorithm="sft", backend=cfg.backend, dtype=t.dtype, grad_clip=cfg.grad_clip)
+    lm = loaded.lm
     pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
     generate = policy.generate if cfg.backend == "fsdp" else model.module.generate
     target = opts["target_accuracy"]
@@ -122,11 +125,11 @@ def _train(opts: dict, cfg, info) -> dict:
                      opts["steps"])
     summary = {"steps": step, "loss": losses, "eval_accuracy": evals, "target_accuracy": target,
                "target_reached": reached, "data": str(opts["data"]), "seconds": time.monotonic() - started}
-    _write_output(opts, policy, optimizer, info, cfg.backend, summary)
+    _write_output(opts, t, info, cfg, summary)
     return summary
 
 
-def _write_output(opts: dict, policy, optimizer, info, backend: str, summary: dict) -> None:
+def _write_output(opts: dict, t, info, cfg, summary: dict) -> None:
     """The same checkpoint format as RL, written beside --out and renamed into place when complete."""
     from train.distributed import agreed
     from train.export import prepare_output_dir, save_checkpoint
@@ -134,31 +137,64 @@ def _write_output(opts: dict, policy, optimizer, info, backend: str, summary: di
     out: Path = opts["out"]
     staging = out.parent / f".{out.name}.partial"
     if not opts["save_optimizer"]:
-        optimizer.state.clear()
+        t.optimizer.state.clear()
     agreed("preparing the output folder", info, lambda: prepare_output_dir(staging, info))
-    save_checkpoint(staging, policy=policy, optimizer=optimizer, info=info, backend=backend, run_id="sft",
+    save_checkpoint(staging, policy=t.policy, optimizer=t.optimizer, info=info, backend=cfg.backend, run_id="sft",
                     iteration=0, tokenizer_source=opts["model"],
                     trainer_state={"optimizer_step": summary["steps"] if opts["save_optimizer"] else 0,
-                                   "iteration": 0, "algorithm": "sft", "sft": summary})
+                                   "iteration": 0, "algorithm": "sft", "sft": summary},
+                    lora=cfg.lora, lora_record=t.weights.record)
     agreed("moving the output into place", info, lambda: os.rename(staging, out) if info.is_main else None)
+
+
+def sft_config(opts: dict):
+    """The train config of SFT: its command-line flags <- --config files <- key=value overrides."""
+    from train.benchmark import train_config_from
+
+    flags = {"algorithm": "rft", "backend": opts["backend"], "lr": opts["lr"], "weight_decay": opts["weight_decay"],
+             "grad_clip": opts["grad_clip"], "micro_batch_tokens": opts["micro_batch_tokens"],
+             "warmup_steps": opts["warmup_steps"], "dtype": opts["dtype"], "seed": opts["seed"]}
+    return train_config_from(flags, opts["config_files"], opts["overrides"])
+
+
+def _bench(opts: dict, cfg) -> int:
+    from coordination.config import ConfigError
+    from train.benchmark import bench_model, print_and_write, run_bench
+    from train.distributed import init_distributed, shutdown
+
+    try:
+        with bench_model(opts["model"], opts["bench_seq_len"]) as model_path:
+            info = init_distributed(cfg.collective_timeout)
+            try:
+                report = run_bench(cfg, {**opts, "model_path": model_path}, info, entry="sft", algorithm="sft")
+            finally:
+                shutdown()
+    except ConfigError as exc:
+        _log.error("%s", exc)
+        return 2
+    if info.is_main:
+        print_and_write(report, opts["bench_output_json"])
+    return 0
 
 
 def run_sft(opts: dict) -> int:
     from coordination import log
     from coordination.config import ConfigError
-    from train.config import TrainConfig
     from train.distributed import init_distributed, shutdown
 
     log.setup(f"sft rank{os.environ.get('RANK', '0')}")
     try:
-        cfg = TrainConfig(algorithm="rft", backend=opts["backend"], lr=opts["lr"], weight_decay=opts["weight_decay"],
-                          grad_clip=opts["grad_clip"], micro_batch_tokens=opts["micro_batch_tokens"],
-                          warmup_steps=opts["warmup_steps"], dtype=opts["dtype"], seed=opts["seed"])
+        cfg = sft_config(opts)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    if opts["bench"]:
+        return _bench(opts, cfg)
     info = init_distributed(cfg.collective_timeout)
     try:
         summary = _train(opts, cfg, info)
+    except ConfigError as exc:
+        _log.error("%s", exc)
+        return 2
     finally:
         shutdown()
     if info.is_main:
@@ -169,12 +205,13 @@ def run_sft(opts: dict) -> int:
     return 0
 
 
-@click.command()
-@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
-              help="Hugging Face folder to fine-tune")
-@click.option("--data", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
-              help="JSONL: baton tasks (prompt/answer), prompt/completion, or chat messages")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="checkpoint folder to write (new)")
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Hugging Face folder to fine-tune (required unless --bench, which defaults to a tiny model)")
+@click.option("--data", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="JSONL: baton tasks (prompt/answer), prompt/completion, or chat messages (required unless --bench)")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="checkpoint folder to write, new (required unless --bench)")
 @click.option("--eval-data", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="baton task JSONL for greedy exact-match accuracy")
 @click.option("--target-accuracy", type=click.FloatRange(0, 1), default=None,
@@ -198,8 +235,20 @@ def run_sft(opts: dict) -> int:
 @click.option("--log-every", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--save-optimizer/--no-save-optimizer", default=False, show_default=True,
               help="keep Adam state in the checkpoint (an RL run started from it then continues that state)")
+@click.option("--config", "config_files", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              multiple=True, help="YAML file(s) whose `train` section sets further train keys (levers)")
+@bench_options
+@click.argument("overrides", nargs=-1)
 def main(**opts) -> None:
-    """Fine-tune a model on JSONL examples and write a checkpoint folder."""
+    """Fine-tune a model on JSONL examples and write a checkpoint folder.
+
+    OVERRIDES are train config keys (key=value), e.g. ac.freq=1 lora.rank=8; --bench benchmarks
+    SFT steps on fake data instead (no --data or --out)."""
+    if opts["bench"]:
+        sys.exit(run_sft(opts))
+    missing = [f"--{k}" for k in ("model", "data", "out") if opts[k] is None]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or pass --bench to benchmark on fake data)")
     out: Path = opts["out"]
     if opts["target_accuracy"] is not None and opts["eval_data"] is None:
         raise click.UsageError("--target-accuracy needs --eval-data (the tasks to measure accuracy on)")

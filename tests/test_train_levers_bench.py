@@ -1,0 +1,121 @@
+"""`--bench` of the trainer and of SFT, `python -m train.bench --levers`, and misconfigurations
+that must stop the trainer with a message saying what to change."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import train_support as ts
+
+STEP_KEYS = {"step", "loss", "mfu", "tokens_per_s", "step_time_s", "peak_memory_mb"}
+REPORT_KEYS = {"kind", "entry", "model", "parameters", "trained_parameters", "device", "device_name", "world_size",
+               "dtype", "seq_len", "batch_size", "micro_batches", "tokens_per_step", "warmup_steps",
+               "measured_steps", "flops_per_token", "peak_tflops", "memory_before_steps_mb", "config", "steps",
+               "mean", "std", "profiled_step"}
+SMALL = ["--bench-warmup-steps", "1", "--bench-steps", "2", "--bench-seq-len", "32", "--bench-batch-size", "2"]
+
+
+def _bench(module: str, args: list[str], tmp_path: Path, name: str) -> tuple[int, str]:
+    log = tmp_path / f"{name}.log"
+    rc = ts.run_module(module, ["--bench", *SMALL, *args], log, timeout=120)
+    return rc, log.read_text()
+
+
+def test_trainer_bench_prints_the_step_table_and_writes_the_documented_json(tmp_path):
+    out = tmp_path / "bench.json"
+    rc, text = _bench("train.trainer", ["--bench-peak-tflops", "0.5", "--bench-output-json", str(out), "ac.freq=1",
+                                        "train.lora.rank=4"], tmp_path, "trainer")
+    assert rc == 0, text
+    for column in ("Step", "MFU", "Throughput (tokens/s)", "Step time", "Peak memory", "mean ± std"):
+        assert column in text
+    report = json.loads(out.read_text())
+    assert set(report) == REPORT_KEYS and report["kind"] == "baton-train-bench" and report["entry"] == "trainer"
+    assert report["config"]["ac"]["freq"] == 1 and report["config"]["lora"]["rank"] == 4
+    assert report["trained_parameters"] < report["parameters"] / 10          # LoRA: adapters only
+    assert report["tokens_per_step"] == 64 and report["peak_tflops"] == 0.5
+    assert [s["step"] for s in report["steps"]] == [1, 2] and all(set(s) == STEP_KEYS for s in report["steps"])
+    for s in report["steps"]:
+        assert s["tokens_per_s"] > 0 and s["step_time_s"] > 0 and s["peak_memory_mb"] > 0
+        assert s["mfu"] == pytest.approx(report["flops_per_token"] * s["tokens_per_s"] / 0.5e12)
+    mean = sum(s["tokens_per_s"] for s in report["steps"]) / 2
+    assert report["mean"]["tokens_per_s"] == pytest.approx(mean) and report["std"]["tokens_per_s"] >= 0
+    assert f"{100 * report['steps'][0]['mfu']:.2f}%" in text
+
+
+def test_flops_per_token_follows_the_documented_formula(tmp_path):
+    from train.mfu import device_peak_tflops, flops_per_token
+    from train.model import load_causal_lm
+
+    lm = load_causal_lm(ts.make_tiny(tmp_path / "m", layers=2))
+    cfg = lm.config          # hidden 128, 4 heads of 32, 2 kv heads, intermediate 384, tied head
+    per_block = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384
+    matmul = 2 * per_block + cfg.vocab_size * 128                      # the tied LM head counts
+    assert flops_per_token(lm, 100) == 6 * matmul + 12 * 2 * 4 * 32 * 100
+    assert [device_peak_tflops(n) for n in ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H200",
+                                            "NVIDIA B200", "NVIDIA H100 PCIe", "Tesla V100")] == \
+        [312.0, 989.0, 989.0, 2250.0, 756.0, None]
+
+
+def test_sft_bench_on_cpu_shows_mfu_only_with_a_given_peak(tmp_path):
+    out = tmp_path / "sft.json"
+    rc, text = _bench("train.sft", ["--bench-output-json", str(out)], tmp_path, "sft")
+    assert rc == 0, text
+    report = json.loads(out.read_text())
+    assert report["entry"] == "sft" and report["peak_tflops"] is None
+    assert all(s["mfu"] is None for s in report["steps"]) and report["mean"]["mfu"] is None
+    assert "n/a" in text and "pass --bench-peak-tflops" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["fsdp_cpu_offload=true", "optim_cpu_offload=true"],
+     "train.fsdp_cpu_offload and train.optim_cpu_offload are mutually exclusive"),
+    (["dp_replicate=2"], r"train.dp_replicate=2 does not divide the number of trainer processes \(1 "),
+    pytest.param(["attn=flash_attention_2"], "needs the flash-attn package, which is not installed",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None,
+                                          reason="flash-attn is installed here")),
+], ids=["both-offloads", "bad-dp-replicate", "flash-attention-without-flash-attn"])
+def test_misconfigured_levers_exit_2_with_what_to_change(tmp_path, args, message):
+    import re
+
+    rc, text = _bench("train.trainer", args, tmp_path, "bad")
+    assert rc == 2, text
+    assert re.search(message, text), text
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_bench_under_torchrun_uses_hsdp_over_two_processes(tmp_path):
+    out = tmp_path / "hsdp.json"
+    codes = ts.torchrun("train.trainer", ["--bench", *SMALL, "--bench-output-json", str(out), "dp_replicate=2"],
+                        tmp_path / "logs", nnodes=1, nproc_per_node=2)
+    assert codes == [0], ts.logs_text(tmp_path / "logs")
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2 and report["config"]["dp_replicate"] == 2 and report["tokens_per_step"] == 128
+    assert "HSDP 2x1" in ts.logs_text(tmp_path / "logs")
+
+
+@pytest.mark.slow
+def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "train.bench", "--levers", "--json", "--hidden", "64", "--layers",
+                           "2", "--vocab", "512", "--seq-len", "64", "--steps", "1"], cwd=ts.REPO, env=ts.env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    rows = {r["lever"]: r for r in report["results"]}
+    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile"]
+    assert rows["plain"]["tokens_per_s_ratio"] == 1.0 and rows["plain"]["peak_memory_mb_ratio"] == 1.0
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["peak_memory_mb"] == pytest.approx(r["resident_tensors_mb"] + r["step_allocations_mb"])
+        assert r["tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / rows["plain"]["tokens_per_s"])
+        assert r["peak_memory_mb_ratio"] == pytest.approx(r["peak_memory_mb"] / rows["plain"]["peak_memory_mb"])
+    # Activation checkpointing and the chunked head allocate less during the step, measurably even here.
+    assert rows["ac"]["step_allocations_mb"] < rows["plain"]["step_allocations_mb"]
+    assert rows["chunked_logprobs"]["step_allocations_mb"] < rows["plain"]["step_allocations_mb"]
+    assert rows["lora"]["trained_parameters"] < rows["plain"]["trained_parameters"]

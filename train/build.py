@@ -1,0 +1,157 @@
+"""From config to the module the trainer differentiates: every memory and speed lever is an option here.
+
+The order is the one FSDP2 recipes use (torchtitan): load the model with its attention
+implementation -> LoRA adapters -> activation checkpointing per decoder block -> torch.compile per
+block -> FSDP2 or DDP -> optimizer (and optimizer-state offload). The RL trainer, SFT and the
+`--bench` mode of both build through here, so a lever behaves the same everywhere.
+
+`load_model` is each rank's local work (it may fail: run it inside `distributed.agreed`);
+`make_trainable` is collective.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from coordination.config import ConfigError
+from train.config import CompileConfig, TrainConfig
+from train.distributed import DistInfo
+from train.lora import WeightsSource, inject_adapters, weights_source
+from train.offload import ActivationOffload, OptimizerStateOffload
+
+_log = logging.getLogger("baton.train.build")
+
+
+def preflight(cfg: TrainConfig, info: DistInfo) -> None:
+    """Checks of the config against this machine and launch; ConfigError says what to change."""
+    from train.config import check_world_size
+    from train.model import compute_dtype
+
+    if cfg.attn == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(f"train.attn=flash_attention_2 needs the flash-attn package, which is not installed for "
+                              f"{sys.executable}: install it on every GPU node (pip install -r requirements-gpu.txt, "
+                              f"or pip install flash-attn --no-build-isolation) or set train.attn=sdpa")
+        if info.device.type != "cuda":
+            raise ConfigError(f"train.attn=flash_attention_2 runs on CUDA GPUs only, but this trainer runs on "
+                              f"{info.device.type}; set train.attn=sdpa")
+        if compute_dtype(cfg.dtype, info.device) == torch.float32:
+            raise ConfigError("train.attn=flash_attention_2 computes in bfloat16 or float16 but train.dtype=float32; "
+                              "set train.dtype=auto (bfloat16 on CUDA) or bfloat16, or use train.attn=sdpa")
+    if cfg.backend == "fsdp":
+        check_world_size(cfg.dp_replicate, info.world_size)
+
+
+@dataclass
+class Loaded:
+    lm: nn.Module
+    weights: WeightsSource
+
+
+def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | None) -> Loaded:
+    """This rank's copy of the weights to train (with LoRA adapters injected when configured)."""
+    from train.model import load_causal_lm
+
+    weights = weights_source(cfg.lora, Path(source), trainer_state)
+    lm = load_causal_lm(weights.base, cfg.attn)
+    if cfg.lora.rank:
+        inject_adapters(lm, cfg.lora, weights.adapter)
+    return Loaded(lm, weights)
+
+
+@dataclass
+class Trainable:
+    policy: Any                     # train.model.Policy: owns the (sharded) parameters under HF names
+    model: nn.Module                # what forward/backward call: the FSDP2 root or the DDP wrapper
+    optimizer: torch.optim.Optimizer
+    params: list[nn.Parameter]      # trained parameters (LoRA: the adapters only)
+    dtype: torch.dtype
+    weights: WeightsSource
+    checkpointed_blocks: int
+    activation_offload: ActivationOffload | None
+    optimizer_offload: OptimizerStateOffload | None
+
+
+def compile_blocks(blocks: list[nn.Module], cfg: CompileConfig) -> None:
+    """torch.compile each block's forward (after checkpointing, so the checkpoint is compiled with
+    it). The forward, not the module, is compiled: FSDP2's hooks around it stay eager."""
+    for block in blocks:
+        block.forward = torch.compile(block.forward, fullgraph=cfg.fullgraph)
+
+
+def make_policy(lm: nn.Module, cfg: TrainConfig, info: DistInfo, *, trainable: bool):
+    """Policy with the per-block levers applied (before parallelism). Returns (policy, blocks checkpointed,
+    activation offload)."""
+    from train.act_checkpoint import apply_activation_checkpointing
+    from train.chunked_head import resolve_chunk_size
+    from train.model import Policy, decoder_blocks
+
+    blocks = decoder_blocks(lm)
+    checkpointed = 0
+    if trainable:
+        checkpointed = apply_activation_checkpointing(blocks, freq=cfg.ac.freq, mode=cfg.ac.mode,
+                                                      targets=cfg.ac.targets)
+    if cfg.compile is not None:
+        compile_blocks(blocks, cfg.compile)
+    head = lm.get_output_embeddings()
+    chunk = resolve_chunk_size(cfg.fused_lm_head_token_chunk_size, head.weight.shape[0])
+    if chunk is not None and (type(head) is not nn.Linear or head.bias is not None):
+        raise ConfigError(f"train.fused_lm_head_token_chunk_size needs a bias-free linear LM head, but this model's "
+                          f"is {type(head).__name__}; set train.fused_lm_head_token_chunk_size=disabled (or keep "
+                          f"lm_head out of train.lora.target_modules)")
+    offload = ActivationOffload(cfg.ac_offloading.max_inflight_activations, info.device) \
+        if trainable and cfg.ac_offloading.enabled else None
+    return Policy(lm, head_chunk=chunk, activation_offload=offload), checkpointed, offload
+
+
+def parallelize(policy, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
+    from train.parallel import apply_parallelism
+
+    return apply_parallelism(policy, cfg.backend, info, dtype, reshard_after_forward=cfg.reshard_after_forward,
+                             dp_replicate=cfg.dp_replicate if cfg.backend == "fsdp" else 1,
+                             cpu_offload=cfg.fsdp_cpu_offload)
+
+
+def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainable:
+    """Collective: apply the levers and the parallelism, build the optimizer."""
+    from train.model import compute_dtype, trainable_parameters
+    from train.optim import build_optimizer
+
+    dtype = compute_dtype(cfg.dtype, info.device)
+    policy, checkpointed, act_offload = make_policy(loaded.lm, cfg, info, trainable=True)
+    model = parallelize(policy, cfg, info, dtype)
+    params = trainable_parameters(policy)
+    optimizer = build_optimizer(params, cfg)
+    opt_offload = OptimizerStateOffload(optimizer, info.device) if cfg.optim_cpu_offload else None
+    if info.is_main:
+        levers = [f"{len(params)} trained tensors ({sum(p.numel() for p in params):,} values)"]
+        if cfg.lora.rank:
+            levers.append(f"LoRA r={cfg.lora.rank} on {','.join(cfg.lora.target_modules)}")
+        if checkpointed:
+            levers.append(f"activation checkpointing ({cfg.ac.mode}) on {checkpointed} blocks")
+        if act_offload:
+            levers.append("activation offloading")
+        if policy.head_chunk:
+            levers.append(f"chunked LM head ({policy.head_chunk} tokens)")
+        if cfg.compile is not None:
+            levers.append("torch.compile per block")
+        if cfg.backend == "fsdp" and cfg.dp_replicate > 1:
+            levers.append(f"HSDP {cfg.dp_replicate}x{info.world_size // cfg.dp_replicate}")
+        if cfg.fsdp_cpu_offload or cfg.optim_cpu_offload:
+            levers.append("FSDP CPU offload" if cfg.fsdp_cpu_offload else "optimizer state on CPU")
+        _log.info("model: %s", "; ".join(levers))
+    return Trainable(policy, model, optimizer, params, dtype, loaded.weights, checkpointed, act_offload, opt_offload)
+
+
+def make_reference(ref_lm: nn.Module, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
+    """The frozen reference policy of the KL penalty: same parallelism and LM head, no training levers."""
+    ref_lm.requires_grad_(False)
+    policy, _, _ = make_policy(ref_lm, cfg, info, trainable=False)
+    return parallelize(policy, cfg, info, dtype).eval()

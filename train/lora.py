@@ -1,0 +1,150 @@
+"""LoRA through peft: which weights a run trains from, and what its checkpoints carry.
+
+With `train.lora.rank > 0` peft injects adapters (A: r x in, B: out x r, B = 0 at the start)
+into the `target_modules` of the loaded model and freezes every other weight; the policy module
+keeps its Hugging Face names (plus `.base_layer` / `.lora_A.default` / `.lora_B.default`), so FSDP2
+shards it like any model and only the adapters get gradients and optimizer state.
+
+A run keeps training the same adapters on the same frozen base across iterations: a checkpoint
+records the base it was trained on (trainer_state.json, `lora.base`) and holds the adapters in
+`adapter/` (peft's format: adapter_config.json + adapter_model.safetensors, which vLLM's
+/v1/load_lora_adapter accepts). The next iteration loads that base, loads the adapters and
+resumes their Adam state. What the checkpoint serves depends on `lora.publish`: `merged` writes
+the full weights with the adapters merged (peft `merge_and_unload` on a gathered copy on rank 0),
+so the inference engine serves it as any checkpoint; `adapters` writes only `adapter/`.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from train.checkpoint import CheckpointError
+from train.config import LoRAConfig
+
+ADAPTER_DIR = "adapter"
+
+_log = logging.getLogger("baton.train.lora")
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where a trainer takes its weights from: the full model to load, adapters to continue (or
+    None for fresh ones), whether the input's optimizer state belongs to these trained parameters,
+    and the `lora` record this run's checkpoints will carry (None without LoRA)."""
+
+    base: Path
+    adapter: Path | None
+    resume_optimizer: bool
+    record: dict[str, Any] | None
+
+
+def _signature(record: dict[str, Any] | None) -> tuple | None:
+    if not record:
+        return None
+    return int(record["rank"]), float(record["alpha"]), tuple(sorted(record["target_modules"]))
+
+
+def lora_record(cfg: LoRAConfig, base: Path) -> dict[str, Any] | None:
+    if not cfg.rank:
+        return None
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout, "target_modules": list(cfg.target_modules),
+            "publish": cfg.publish, "base": str(base)}
+
+
+def has_full_weights(folder: Path) -> bool:
+    return (Path(folder) / "config.json").exists()
+
+
+def weights_source(cfg: LoRAConfig, source: Path, trainer_state: dict[str, Any] | None) -> WeightsSource:
+    """Decide what to load for training from checkpoint (or base model) `source`."""
+    source = Path(source)
+    saved = (trainer_state or {}).get("lora")
+    wanted = lora_record(cfg, source)
+    if saved and _signature(saved) == _signature(wanted):
+        base = Path(saved["base"])
+        if not has_full_weights(base):
+            raise CheckpointError(f"the adapters in {source / ADAPTER_DIR} were trained on the base model {base}, "
+                                  f"which is gone; restore it at that path to continue this LoRA run")
+        return WeightsSource(base, source / ADAPTER_DIR, True, {**wanted, "base": str(base)})
+    if not has_full_weights(source) and not saved:
+        raise CheckpointError(f"{source} is not a Hugging Face model folder (no config.json); give a model or a "
+                              f"checkpoint with full weights")
+    if not has_full_weights(source):
+        raise CheckpointError(
+            f"{source} holds only LoRA adapters (train.lora.publish=adapters) trained with {_signature(saved)} "
+            f"(rank, alpha, targets), but this run asks for {_signature(wanted) or 'no LoRA'}: keep the LoRA settings "
+            f"of the run, or start from a checkpoint with full weights (train.lora.publish=merged)")
+    if saved:
+        _log.info("%s was trained with other LoRA settings (rank, alpha, targets: %s -> %s): training %s on its "
+                  "merged weights with a fresh optimizer", source, _signature(saved), _signature(wanted),
+                  "fresh adapters" if wanted else "every weight")
+    elif wanted:
+        _log.info("new LoRA adapters on %s (fresh optimizer)", source)
+    return WeightsSource(source, None, not saved and not wanted, wanted)
+
+
+def _peft_config(cfg: LoRAConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                      target_modules=list(cfg.target_modules), bias="none")
+
+
+def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int:
+    """Add adapters to `lm` in place (freezing the rest), loading `adapter` when given; returns
+    the number of trainable parameters."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        with warnings.catch_warnings():   # peft calls a transformers property that transformers 5 deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = get_peft_model(lm, _peft_config(cfg))
+    except ValueError as exc:
+        raise CheckpointError(f"cannot add LoRA adapters to {type(lm).__name__}: {exc}; check "
+                              f"train.lora.target_modules against the model's layer names") from None
+    if adapter is not None:
+        path = adapter / "adapter_model.safetensors"
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing; the checkpoint's adapters are incomplete")
+        result = set_peft_model_state_dict(peft_model, load_file(str(path)))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(f"the adapters in {adapter} do not fit this model (missing {missing[:3]}, "
+                                  f"unexpected {list(result.unexpected_keys)[:3]})")
+    if peft_model.base_model.model is not lm:
+        raise RuntimeError("peft did not inject the adapters in place; the trainer relies on it")
+    return sum(p.numel() for p in lm.parameters() if p.requires_grad)
+
+
+def publish_lora(config, cfg: LoRAConfig, base: Path, state_dict: dict[str, torch.Tensor],
+                 out: Path) -> dict[str, torch.Tensor] | None:
+    """Rank 0: write `out/adapter/` from the gathered `state_dict` (HF names with peft layers) and
+    return the merged full state dict (None when lora.publish=adapters)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    # A skeleton on the meta device takes the gathered tensors without copying them.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(skeleton, _peft_config(cfg))
+    peft_model.peft_config["default"].base_model_name_or_path = str(base)  # get_peft_model sets the config's path
+    skeleton.load_state_dict(state_dict, strict=False, assign=True)
+    skeleton.tie_weights()  # a tied LM head was saved once, under the embedding's name
+    left = [n for n, p in skeleton.named_parameters() if p.is_meta]
+    if left:
+        raise CheckpointError(f"the gathered state lacks {left[:3]}; cannot write the LoRA checkpoint")
+    peft_model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
+    if cfg.publish == "adapters":
+        return None
+    merged = peft_model.merge_and_unload()
+    own = {n for n, _ in merged.named_parameters()} | {n for n, _ in merged.named_buffers()}
+    return {k: v for k, v in merged.state_dict().items() if k in own}

@@ -1,0 +1,159 @@
+"""Moving training state to host memory: saved activations (during a step) and optimizer state
+(between steps).
+
+Activation offloading is a pair of saved-tensor hooks around the forward pass: every tensor
+autograd saves for backward (except parameters and tiny tensors) is copied to host memory when
+it is saved and copied back when backward unpacks it. With activation checkpointing on, what
+autograd still saves are the checkpointed blocks' inputs, so the two compose: checkpointing
+shrinks each block to its input, offloading moves those inputs off the accelerator.
+On CUDA the copies to pinned host memory run on a side stream; at most
+`max_inflight_activations` copies are in flight: the device tensor of a copy is released only
+once the copy has finished, so a larger bound overlaps more copying with compute and holds more
+device memory. On CPU, "host memory" is the memory the tensor is already in: the hooks still copy
+(the same code path, which the CPU tests exercise) but save nothing.
+
+Optimizer-state offloading keeps AdamW's moments in host memory between steps: an optimizer
+step pre-hook brings them to the parameters' device, a post-hook copies them back to host
+memory. Checkpoints save them from wherever they are.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from torch import nn
+
+MIN_OFFLOAD_BYTES = 1024   # tiny saved tensors (scalars, shapes) are not worth a copy
+
+
+class ActivationOffload:
+    """A context manager for the forward pass; counts what it moved (for tests and logs)."""
+
+    def __init__(self, max_inflight: int, device: torch.device):
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1 (got {max_inflight})")
+        self.max_inflight = max_inflight
+        self.device = device
+        self.tensors = 0
+        self.bytes = 0
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._inflight: collections.deque = collections.deque()
+        self._hooks: Any = None
+
+    # -- saved-tensor hooks ---------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if isinstance(t, nn.Parameter) or nbytes < MIN_OFFLOAD_BYTES or t.layout != torch.strided:
+            return t
+        if t.device.type != "cuda" and self._stream is not None:
+            return t   # a GPU trainer's tensor that is in host memory already
+        self.tensors += 1
+        self.bytes += nbytes
+        if self._stream is None:   # CPU trainer: the same bookkeeping, a copy within the same memory
+            return _Offloaded(t.detach().to("cpu", copy=True), t.device, None, None)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        self._stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        entry = _Offloaded(host, t.device, t, done)
+        self._inflight.append(entry)
+        while len(self._inflight) > self.max_inflight:
+            self._inflight.popleft().release()
+        return entry
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        return packed.restore()
+
+    def __enter__(self) -> "ActivationOffload":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        while self._inflight:   # the forward is over: let go of every device copy once its copy is done
+            self._inflight.popleft().release()
+
+
+class _Offloaded:
+    """A saved tensor in host memory, and (on CUDA, while its copy runs) the device original."""
+
+    __slots__ = ("host", "device", "original", "done")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, original: torch.Tensor | None,
+                 done: Any):
+        self.host, self.device, self.original, self.done = host, device, original, done
+
+    def release(self) -> None:
+        if self.original is not None:
+            self.done.synchronize()
+            self.original = None
+
+    def restore(self) -> torch.Tensor:
+        if self.original is not None:   # still on the device: no copy needed
+            original, self.original = self.original, None
+            return original
+        return self.host.to(self.device, non_blocking=self.device.type == "cuda", copy=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _swap_local(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`value` with its (local) data replaced by `local`: a DTensor keeps its mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        # The constructor FSDP2 uses for its CPU-offloaded shards: `from_local` would move the local
+        # tensor back to the mesh's device.
+        return DTensor(local, value._spec, requires_grad=False)
+    return local
+
+
+class OptimizerStateOffload:
+    """Keeps the tensor states of `optimizer` in host memory between steps (hooks on step())."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.optimizer = optimizer
+        self.device = device
+        self.moves = 0
+        self._handles = [optimizer.register_step_pre_hook(lambda *_: self.to_device()),
+                         optimizer.register_step_post_hook(lambda *_: self.to_host())]
+
+    def _move(self, device: torch.device, pin: bool) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # Scalar states (Adam's step) stay where the optimizer keeps them.
+                if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                    continue
+                local = _local(value)
+                if pin and device.type == "cpu" and self.device.type == "cuda":
+                    moved = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=True)
+                    moved.copy_(local)
+                else:
+                    moved = local.to(device, copy=True)
+                state[key] = _swap_local(value, moved)
+                self.moves += 1
+
+    def to_device(self) -> None:
+        self._move(self.device, pin=False)
+
+    def to_host(self) -> None:
+        self._move(torch.device("cpu"), pin=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
