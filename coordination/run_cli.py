@@ -165,6 +165,10 @@ def main(**kw) -> None:
     try:
         cfg = load_run_config(args.configs, args.config_overrides())
         cfg.check_for(args.rl_phase)
+        if args.job in ("both", "update"):
+            from train.config import check_launch
+
+            check_launch(cfg.train, args.num_nodes)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     from coordination.driver import run_node

@@ -70,3 +70,15 @@ def test_help_is_instant_and_imports_nothing_heavy():
     res = subprocess.run(["python3" if False else str(ROOT / ".venv/bin/python"), "-c", code], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "False", res.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.dp_replicate=2", "train.dp_replicate=2 does not divide the number of trainer processes (3"),
+    ("train.attn=flash_attention_2", "needs the flash-attn package"),
+])
+def test_training_settings_the_trainer_would_refuse_stop_the_node_at_start(tmp_path, override, message):
+    res = subprocess.run([RUN, "--data-path", str(tmp_path), "--log-path", str(tmp_path / "l"), "--rl-phase", "update",
+                          "--num-nodes", "3", "--rank-weights", "1,1,1", "--master", "model.path=/m", override],
+                         env=env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert not (tmp_path / "l").exists()
