@@ -23,7 +23,7 @@ from coordination.layout import RunLayout
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, JOB_PHASES
 from coordination.progress import Progress
-from coordination.records import publish_record
+from coordination.records import ensure_dir, publish_bytes, publish_record
 from coordination.run_cli import RunArgs
 from coordination.runconfig import RunConfig
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
@@ -100,8 +100,28 @@ class RunPlan:
     @property
     def last_iteration(self) -> int:
         """max_iterations, plus one evaluation-only iteration that measures the final checkpoint
-        when evaluation is on."""
+        when evaluation is on; a benchmark (--bench) is one iteration."""
+        if self.args.job == "bench":
+            return 1
         return self.cfg.run.max_iterations + (1 if self.final_eval_on else 0)
+
+    def trainer_args(self, layout: RunLayout, iteration: int, attempt: int, rank: int) -> list[str]:
+        """What `torchrun ... -m train.trainer` gets at phase 10: the iteration's plan, or with
+        --bench the benchmark options, this run's `train` section (as a YAML file) and model."""
+        if self.args.bench is None:
+            return ["--plan", str(layout.training_plan(iteration)), "--attempt", str(attempt)]
+        job = layout.job("bench")
+        out = ["--bench", "--config", str(job.bench_config(rank))]
+        if self.cfg.model.path:
+            out += ["--model", self.cfg.model.path]  # else the trainer writes the tiny model (the same on every node)
+        opts = {**self.args.bench, "bench_output_json": self.args.bench["bench_output_json"] or job.bench_json}
+        for key, value in opts.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                out.append(flag)
+            elif value not in (None, False):
+                out += [flag, str(value)]
+        return out
 
     def is_final_eval(self, it: int) -> bool:
         return self.final_eval_on and it == self.cfg.run.max_iterations + 1
@@ -173,6 +193,7 @@ class RLJob:
 
     def ensure_engine(self, policy_iteration: int, path: Path) -> None:
         from rollout.inference import make_engine
+        from train.checkpoint import serving_weights
 
         if self.engine is None:
             self.engine = make_engine(self.cfg.inference, rank=self.node.rank, restart_count=self.engine_starts,
@@ -180,18 +201,21 @@ class RLJob:
                                       log_file=self.log_dir / "inference.log", debug_mode=self.args.debug_mode)
         if self.engine.running and self.served == policy_iteration:
             return
+        weights, adapter = serving_weights(path)  # an adapters-only checkpoint: its base + adapter/
         self.node.say(f"starting the inference engine on policy {policy_iteration}", beat=True)
         if not self.engine.running:
-            self.engine.start(path)
+            self.engine.start(weights)
             self.engine_starts += 1
         elif self.cfg.inference.between_iterations == "restart":
             self.engine.stop()
-            self.engine.start(path)
+            self.engine.start(weights)
             self.engine_starts += 1
-        else:
-            self.engine.reload(path)
+        elif Path(self.engine.model_dir).resolve() != Path(weights).resolve():
+            self.engine.reload(weights)  # with adapters the base stays: set_adapter swaps them in place
+        self.engine.set_adapter(adapter)
         self.served = policy_iteration
-        log.info("engine %s serves policy %d (%s)", self.engine.name, policy_iteration, path)
+        log.info("engine %s serves policy %d (%s%s)", self.engine.name, policy_iteration, weights,
+                 f" + LoRA adapter {adapter}" if adapter else "")
 
     def close_engine(self) -> None:
         if self.engine is not None:
@@ -252,7 +276,7 @@ class RLJob:
 
     def decide0(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
-        if v.decision != "continue" or self.args.job == "both":
+        if v.decision != "continue" or self.args.job in ("both", "bench"):
             return v
         from train.checkpoint import read_latest
 
@@ -344,7 +368,7 @@ class RLJob:
         from coordination.children import ChildFailed
         from train.launch import torchrun_command, torchrun_env
 
-        if self.checkpoint_done(step.iteration):
+        if self.args.bench is None and self.checkpoint_done(step.iteration):
             return {"skipped": "checkpoint already published"}
         failed = self._attempt_failed_elsewhere(step)
         if failed:
@@ -352,11 +376,17 @@ class RLJob:
         rdzv = step.retry.payload if step.retry is not None else step.go_payload(9)
         is_host = self.node.is_master
         local = rdzv["addr"] if is_host else own_address(rdzv["addr"])
+        if self.args.bench is not None:
+            import yaml
+
+            target = self.node.job.bench_config(self.node.rank)
+            ensure_dir(target.parent)
+            publish_bytes(target, yaml.safe_dump({"train": to_dict(self.cfg.train)}, sort_keys=False).encode())
         cmd = torchrun_command(
             python=sys.executable, nnodes=self.args.num_nodes, node_rank=self.node.rank,
             nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=f"{rdzv['addr']}:{rdzv['port']}",
             rdzv_id=rdzv["rdzv_id"], is_host=is_host, local_addr=local, module="train.trainer",
-            args=["--plan", str(self.layout.training_plan(step.iteration)), "--attempt", str(step.attempt)],
+            args=self.plan.trainer_args(self.layout, step.iteration, step.attempt, self.node.rank),
             join_timeout=int(self.cfg.train.collective_timeout))
         env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
@@ -381,12 +411,31 @@ class RLJob:
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         failed = {r: a for r, a in arrivals.items() if not a.ok}
         if not failed:
+            if self.args.bench is not None:
+                self.show_bench()
             return Verdict("continue", payload={"attempt": step.attempt})
         reason = failure_summary(step, failed)
         if step.attempt >= self.cfg.train.max_attempts:
             return Verdict("abort", f"{reason} (attempt {step.attempt} of {self.cfg.train.max_attempts}; "
                                     f"raise train.max_attempts to retry more)")
         return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
+
+    def show_bench(self) -> None:
+        """Print the benchmark's table on the master's console: every torchrun has exited (this is
+        the barrier's decision), so the trainer's rank 0, on whichever node, has written the JSON."""
+        import json
+
+        from rich.console import Console
+
+        from train.benchmark import render_table
+
+        path = Path(self.args.bench["bench_output_json"] or self.node.job.bench_json)
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"the benchmark finished but its results {path} cannot be read: {exc}") from None
+        Console(width=160).print(render_table(report))
+        log.info("benchmark results: %s", path)
 
     def publish(self, step: Step) -> dict:
         from train.checkpoint import apply_retention, publish_checkpoint
@@ -407,7 +456,11 @@ class RLJob:
         it, path = self.policy(step.iteration)
         if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
                 and self.engine.running):
-            self.engine.wake(path)
+            from train.checkpoint import serving_weights
+
+            weights, adapter = serving_weights(path)
+            self.engine.wake(weights)
+            self.engine.set_adapter(adapter)
             self.served = it
         else:
             self.ensure_engine(it, path)
@@ -502,6 +555,9 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         job = RLJob(args, cfg, node)
         done = f"run.max_iterations ({cfg.run.max_iterations}) reached" + (
             ", final checkpoint evaluated" if job.plan.final_eval_on else "")
+        if args.bench is not None:
+            done = (f"benchmark done: results in {args.bench['bench_output_json'] or node.job.bench_json} "
+                    f"(the master's console shows the table)")
         runner = PhaseRunner(node, job.phases(), max_iterations=job.plan.last_iteration,
                              stop_requested=_stop_requested(layout),
                              gc_keep_iterations=cfg.coordination.gc_keep_iterations, finished_reason=done)

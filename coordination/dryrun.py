@@ -51,9 +51,10 @@ def dry_run(args, cfg) -> int:
         echo(f"  {n:2d} {spec.name:24s} {'acts' if acts else 'waits':5s} {'barrier' if spec.barrier else '':7s} "
              f"{spec.summary}{' (' + '; '.join(note) + ')' if note else ''}")
 
-    echo("\n## task split for iteration %d (rank weights %s)\n" % (it, args.rank_weights))
     splits = [s for s, on in (("train", args.job in ("both", "rollout")),
                               ("eval", args.job in ("both", "eval") and job.is_eval(it))) if on]
+    if splits:
+        echo("\n## task split for iteration %d (rank weights %s)\n" % (it, args.rank_weights))
     for split in splits:
         try:
             shares = job.shares(split, it)
@@ -86,7 +87,7 @@ def dry_run(args, cfg) -> int:
         else:
             echo(f"  inference: transformers engine in this process (device {inf.device}, dtype {inf.dtype}) "
                  f"on {policy}")
-    if args.job in ("both", "update"):
+    if args.job in ("both", "update", "bench"):
         from train.launch import torchrun_command
 
         addr = master_address(cfg.coordination.master_addr)
@@ -94,8 +95,10 @@ def dry_run(args, cfg) -> int:
                                nproc_per_node=cfg.train.nproc_per_node, rdzv_endpoint=f"{addr}:29500",
                                rdzv_id=f"RUN-{args.job}-i{it}-a1", is_host=args.is_master,
                                local_addr=addr if args.is_master else "THIS_NODE_ADDR", module="train.trainer",
-                               args=["--plan", str(layout.training_plan(it)), "--attempt", "1"])
+                               args=job.trainer_args(layout, it, 1, args.rank))
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
         echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
+        if args.job == "bench":
+            echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
     return 0

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-JOBS = ("both", "rollout", "update", "eval")  # eval: --rl-phase rollout --rollout-split eval-only
+JOBS = ("both", "rollout", "update", "eval", "bench")  # eval: --rl-phase rollout --rollout-split eval-only;
+# bench: run.sh --bench (the trainer's benchmark as one torchrun over the nodes)
 SPLITS = ("train", "eval")
 
 _CLAIM_RE = re.compile(r"^claim-(\d+)$")
@@ -193,7 +194,7 @@ class RunLayout:
 
 @dataclass(frozen=True)
 class JobLayout:
-    """Paths that belong to one job (`both`, `rollout` or `update`) of a run."""
+    """Paths that belong to one job (`both`, `rollout`, `update`, `eval` or `bench`) of a run."""
 
     run: RunLayout
     name: str
@@ -262,6 +263,15 @@ class JobLayout:
 
     def logs_dir(self, rank: int) -> Path:
         return self.run.root / "logs" / self.name / f"rank-{rank}"
+
+    @property
+    def bench_json(self) -> Path:
+        """run.sh --bench: the benchmark's results, written by the trainer's global rank 0."""
+        return self.root / "bench.json"
+
+    def bench_config(self, rank: int) -> Path:
+        """run.sh --bench: the run's `train` section as the trainer's --bench reads it (--config)."""
+        return self.logs_dir(rank) / "bench-train.yaml"
 
     def log_file(self, rank: int, component: str) -> Path:
         """`driver.log`, `inference.log`, `trainer.log` ... of one rank."""

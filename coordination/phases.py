@@ -42,6 +42,7 @@ JOB_PHASES: dict[str, tuple[int, ...]] = {
     "rollout": tuple(range(0, 7)),
     "update": tuple(range(7, 14)),
     "eval": (0, 5, 6),  # --rl-phase rollout --rollout-split eval-only: evaluates each new checkpoint
+    "bench": (0, 9, 10),  # run.sh --bench: join, rendezvous, one torchrun of the trainer's benchmark
 }
 
 

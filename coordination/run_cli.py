@@ -4,6 +4,11 @@
                    [--rollout-split train-only|eval-only] [--num-nodes N --rank-weights w0,...]
                    [--master | --worker R] [--debug-mode] [--resume] [--dry-run] [--config FILE]
                    [key=value ...]
+    scripts/run.sh --data-path P --log-path L --bench [--bench-steps 5 ...] [--num-nodes N ...] [key=value ...]
+
+`--bench` (instead of --rl-phase) runs the trainer's benchmark (train/benchmark.py: fake data, a
+step table, JSON) as one multi-node torchrun of this run's `train` config, so the levers of a run
+are measured on the nodes and interconnect it will use, with the same flags and rendezvous.
 
 Every misuse exits 2 with a one-line reason and the usage. Nothing heavy is imported before the
 arguments are known to be good, so `--help` and mistakes answer at once.
@@ -17,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
+
+from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
 USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
                 "  scripts/run.sh --data-path /shared/tasks --log-path /shared/runs/r1 --rl-phase both "
@@ -40,6 +48,7 @@ class RunArgs:
     configs: list[Path] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     command: str = ""
+    bench: dict | None = None  # --bench: the trainer's --bench-* options (rl_phase is "bench")
 
     @property
     def job(self) -> str:
@@ -110,8 +119,28 @@ def _rank(master: bool, worker: int | None, n: int) -> int:
     return rank
 
 
+def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict) -> dict | None:
+    """The --bench-* options when --bench is given (checked against the RL flags), else None."""
+    if not bench.pop("bench"):
+        ctx = click.get_current_context(silent=True)
+        given = [k for k in bench if ctx is not None and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
+        if given:
+            _fail(f"--{given[0].replace('_', '-')} only applies with --bench")
+        if rl_phase is None:
+            _fail("--rl-phase rollout|update|both is required (or --bench to benchmark the trainer)")
+        return None
+    for flag, value in (("--rl-phase", rl_phase), ("--eval-interval", eval_interval),
+                        ("--rollout-split", rollout_split), ("--debug-mode", debug_mode or None)):
+        if value is not None:
+            _fail(f"--bench benchmarks the trainer on fake data and takes no {flag}; drop it")
+    return bench
+
+
 def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker,
-          debug_mode, resume, dry_run, configs, overrides) -> RunArgs:
+          debug_mode, resume, dry_run, configs, overrides, **bench) -> RunArgs:
+    bench = _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench)
+    if bench is not None:
+        rl_phase = "bench"
     if rl_phase == "both" and eval_interval is None:
         _fail("--eval-interval K is required with --rl-phase both (evaluate at iterations 1, 1+K, ...; "
               "0 turns evaluation off)")
@@ -130,7 +159,7 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
             _fail(f"unexpected argument {o!r}: config overrides are key=value, e.g. train.lr=1e-4")
     return RunArgs(Path(data_path), Path(log_path), rl_phase, eval_interval, rollout_split, num_nodes, weights, rank,
                    debug_mode, resume, dry_run, [Path(c) for c in configs], list(overrides),
-                   command=shlex.join(["scripts/run.sh"] + sys.argv[1:]))
+                   command=shlex.join(["scripts/run.sh"] + sys.argv[1:]), bench=bench)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -139,8 +168,9 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
               help="folder of task files (train.jsonl, eval.jsonl), the same on every node")
 @click.option("--log-path", required=True, type=click.Path(path_type=Path),
               help="run folder on the shared filesystem (NFS, Lustre, GPFS), the same on every node")
-@click.option("--rl-phase", required=True, type=click.Choice(["rollout", "update", "both"]),
-              help="which phases this job runs: rollout 0-6, update 7-13, both 0-13 per iteration")
+@click.option("--rl-phase", type=click.Choice(["rollout", "update", "both"]), default=None,
+              help="which phases this job runs: rollout 0-6, update 7-13, both 0-13 per iteration (required "
+                   "unless --bench)")
 @click.option("--eval-interval", type=int, default=None,
               help="evaluate at iterations 1, 1+K, 1+2K, ... (required with --rl-phase both; 0 = never)")
 @click.option("--rollout-split", type=click.Choice(["train-only", "eval-only"]), default=None,
@@ -155,6 +185,7 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
 @click.option("--dry-run", is_flag=True, help="print the config, this rank's plan and commands; touch nothing")
 @click.option("--config", "configs", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="YAML config layered over configs/default.yaml (repeatable)")
+@bench_options
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def main(**kw) -> None:
     """Run this node's part of a baton RL job. Start it with the same --log-path on every node."""
@@ -165,7 +196,7 @@ def main(**kw) -> None:
     try:
         cfg = load_run_config(args.configs, args.config_overrides())
         cfg.check_for(args.rl_phase)
-        if args.job in ("both", "update"):
+        if args.job in ("both", "update", "bench"):
             from train.config import check_launch
 
             check_launch(cfg.train, args.num_nodes)

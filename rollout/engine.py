@@ -72,12 +72,21 @@ class EngineError(RuntimeError):
 
 
 class Engine(abc.ABC):
-    """Lifecycle: start(model_dir) -> generate(...)* -> [reload(other_dir) | sleep()/wake()] -> stop()."""
+    """Lifecycle: start(model_dir) -> [set_adapter(adapter_dir)] -> generate(...)* ->
+    [reload(other_dir) | sleep()/wake(dir)] -> [set_adapter(...)] -> ... -> stop().
+
+    `model_dir` is a Hugging Face folder with full weights. A LoRA run that publishes adapters
+    only (train.lora.publish=adapters) is served as its frozen base model plus an adapter:
+    start(base), then set_adapter(checkpoint/adapter); each later iteration swaps the adapter
+    with set_adapter, without a restart. start, reload and wake serve the weights of their folder
+    alone (`adapter_dir` is None afterwards): call set_adapter again after them.
+    """
 
     name: str = "engine"
 
     def __init__(self) -> None:
         self.model_dir: Path | None = None
+        self.adapter_dir: Path | None = None  # LoRA adapter served on top of model_dir, if any
         self.stats = EngineStats()
 
     @abc.abstractmethod
@@ -95,6 +104,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
         """`n` samples for each prompt: result[i][j] is sample j of prompts[i]."""
+
+    def set_adapter(self, adapter_dir: Path | None) -> None:
+        """Serve the LoRA adapter in `adapter_dir` (peft format, trained on the weights of
+        `model_dir`) on top of those weights, replacing the adapter served before; None serves the
+        weights alone. The engine must be started. Engines without LoRA support accept only None."""
+        if adapter_dir is None and self.adapter_dir is None:
+            return
+        raise EngineError(f"the {self.name} engine cannot serve LoRA adapters ({adapter_dir}); use the transformers "
+                          f"or vllm engine, or publish merged checkpoints (train.lora.publish=merged)")
 
     def sleep(self) -> None:
         """Free the accelerator between rollouts while keeping the engine's process (default: stop)."""

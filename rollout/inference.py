@@ -25,12 +25,18 @@ MANAGED_FLAGS = {
     "--served-model-name": "inference.vllm.served_model_name",
     "--seed": "inference.vllm.seed (offset per rank and restart)",
     "--logprobs-mode": "the rollout temperature (processed_logprobs when it is not 1)",
+    "--enable-lora": "inference.vllm.max_lora_rank (> 0 serves LoRA adapters)",
+    "--max-lora-rank": "inference.vllm.max_lora_rank",
+    "--max-loras": "inference.vllm.max_lora_rank (one adapter slot: the policy's)",
 }
 # Environment variables baton sets itself; see VLLMEngine for why.
 MANAGED_ENV = {
     "VLLM_SERVER_DEV_MODE": "inference.between_iterations (dev routes only for reload/sleep)",
     "VLLM_API_KEY": "inference.vllm.api_key",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "inference.vllm.max_lora_rank (adapters are loaded at runtime when > 0)",
 }
+# The values vLLM 0.32 accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def is_loopback(host: str) -> bool:
@@ -89,6 +95,13 @@ class VLLMConfig:
     cpu: bool = option(
         False, "apply the vLLM-on-CPU recipe (FIELD-NOTES): 1 GiB KV cache, eager mode, one process "
                "(uni executor), float32, offline, no usage stats, a private cache dir")
+    max_lora_rank: int = option(
+        0, "LoRA serving: 0 = off; else the largest adapter rank the server accepts, one of 1, 8, 16, 32, 64, "
+           "128, 256, 320, 512 and at least train.lora.rank. Needed to serve checkpoints published with "
+           "train.lora.publish=adapters: the server runs on the base model with --enable-lora --max-lora-rank R "
+           "--max-loras 1 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and each new adapter replaces the last in "
+           "place through /v1/load_lora_adapter (no restart), served as '<served_model_name>-lora'. That route "
+           "reads any folder the server can read: off loopback it is behind the API key like all of /v1")
     debug_url: str = option(
         "", "with --debug-mode: URL of a vLLM server you started yourself (e.g. http://127.0.0.1:8000); "
             "baton never starts or stops it")
@@ -112,6 +125,11 @@ class VLLMConfig:
             positive(getattr(self, key), key)
         positive(self.max_concurrency, "max_concurrency")
         non_negative(self.retries, "retries")
+        if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
+            larger = [r for r in VLLM_LORA_RANKS if r >= self.max_lora_rank]
+            raise ConfigError(f"max_lora_rank={self.max_lora_rank} is not a rank vLLM accepts "
+                              f"({', '.join(map(str, VLLM_LORA_RANKS))}); use {larger[0] if larger else 512}, "
+                              f"or 0 to serve no LoRA adapters")
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_FLAGS:

@@ -24,7 +24,7 @@ from rollout import store
 from rollout.chunks import (Manifest, RolloutError, complete_groups, completion_tokens, list_chunks,
                             publish_done, read_chunk, read_done, write_chunk)
 from rollout.config import RolloutConfig
-from rollout.engine import Engine, Sample, Sampling
+from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.prompts import encode_prompt
 from rollout.rewards import RewardFn
 from rollout.tasks import Task
@@ -223,6 +223,7 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
     from rollout.rewards import load_reward
     from rollout.split import rank_slice, sample_iteration
     from rollout.tasks import load_tasks
+    from train.checkpoint import serving_weights
 
     cfg = load(RolloutConfig, [], list(overrides))
     weights = [float(w) for w in rank_weights.split(",")]
@@ -231,8 +232,10 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
         pool, tasks_per_iteration, seed=cfg.seed, iteration=iteration)
     mine = rank_slice(tasks, weights, rank)
     sampling, group_size = sampling_for(cfg, split)
+    served, adapter = serving_weights(Path(model_dir))  # an adapters-only checkpoint: its base + adapter/
     with TransformersEngine() as engine:
-        engine.start(Path(model_dir))
+        engine.start(served)
+        engine.set_adapter(adapter)
         return rollout_rank(engine=engine, tokenizer=engine.tokenizer, tasks=mine, layout=RunLayout(Path(log_path)),
                             split=split, iteration=iteration, rank=rank, generation=generation, run_id=run_id,
                             policy_iteration=policy_iteration, cfg=cfg, reward_fn=load_reward(reward),
@@ -261,9 +264,11 @@ def main() -> None:
         keys, e.g. group_size=4 chunk_groups=1."""
         log.setup(f"rank{kw['rank']} rollout")
         overrides = kw.pop("overrides")
+        from train.checkpoint import CheckpointError
+
         try:
             summary = _main_impl(overrides=overrides, **kw)
-        except (ValueError, RolloutError) as exc:
+        except (ValueError, RolloutError, EngineError, CheckpointError) as exc:
             raise click.ClickException(str(exc)) from None
         click.echo(f"{summary.tasks} tasks, {summary.samples} samples ({summary.resumed_tasks} tasks resumed), "
                    f"{summary.chunks} chunks, {summary.seconds:.1f} s")

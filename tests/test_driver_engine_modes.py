@@ -85,3 +85,57 @@ def test_engine_between_iterations(monkeypatch, tmp_path, mode, expected):
     job.ensure_engine(1, Path("/ckpt/iter-1"))                      # phase 1 of iteration 2: nothing more
     assert engine.calls == expected
     assert job.served == 1
+
+
+class AdapterRecordingEngine(RecordingEngine):
+    """Also records set_adapter; start/reload/wake serve the weights alone, as the Engine contract says."""
+
+    def start(self, model_dir):
+        super().start(model_dir)
+        self.adapter_dir = None
+
+    def reload(self, model_dir):
+        super().reload(model_dir)
+        self.adapter_dir = None
+
+    def wake(self, model_dir):
+        super().wake(model_dir)
+        self.adapter_dir = None
+
+    def set_adapter(self, adapter_dir):
+        self.calls.append(("adapter", Path(adapter_dir).parent.name if adapter_dir else ""))
+        self.adapter_dir = adapter_dir
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("restart", [("start", "base"), ("adapter", ""), ("stop", ""), ("start", "base"), ("adapter", "iter-1"),
+                 ("stop", ""), ("start", "base"), ("adapter", "iter-2")]),
+    ("reload", [("start", "base"), ("adapter", ""), ("adapter", "iter-1"), ("adapter", "iter-2")]),
+    ("sleep", [("start", "base"), ("adapter", ""), ("sleep", ""), ("wake", "base"), ("adapter", "iter-1"),
+               ("sleep", ""), ("wake", "base"), ("adapter", "iter-2")]),
+])
+def test_adapters_only_checkpoints_are_served_as_the_base_plus_their_adapter(monkeypatch, tmp_path, mode, expected):
+    from coordination.records import publish_record
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    folders = {0: base}
+    for it in (1, 2):  # what the trainer publishes with train.lora.publish=adapters: no config.json
+        folders[it] = tmp_path / "checkpoints" / f"iter-{it}"
+        (folders[it] / "adapter").mkdir(parents=True)
+        publish_record(folders[it] / "trainer_state.json", "trainer-state",
+                       {"lora": {"rank": 4, "publish": "adapters", "base": str(base)}}, run_id="r", generation=0)
+    cfg = load(RunConfig, [], [f"inference.between_iterations={mode}", f"model.path={base}", "run.max_iterations=3"])
+    args = RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0)
+    job = RLJob(args, cfg, FakeNode(tmp_path))
+    engine = AdapterRecordingEngine()
+    monkeypatch.setattr("rollout.inference.make_engine", lambda *a, **k: engine)
+    monkeypatch.setattr(RLJob, "policy", lambda self, it: (it, folders[it]))
+    job.ensure_engine(0, base)
+    for it in (1, 2):
+        job.stop_inference(Step(None, it, BY_NUMBER[7], 1, {}))
+        job.restart_inference(Step(None, it, BY_NUMBER[12], 1, {}))
+        job.ensure_engine(it, folders[it])                         # phase 1 of the next iteration: nothing more
+    assert engine.calls == expected
+    assert job.served == 2 and engine.adapter_dir == folders[2] / "adapter"

@@ -64,6 +64,54 @@ def test_one_node_runs_two_iterations_with_eval_and_publishes_checkpoints(procs,
     assert "finished" in procs.log("n0")
 
 
+def _max_logprob_gap(table, base: Path, adapter: Path | None, temperature: float, rows: int = 24) -> float:
+    """Largest difference between the sampling logprobs in `table` and a transformers (+ peft) forward
+    pass of `base` with `adapter` over the same tokens."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = (PeftModel.from_pretrained(model, str(adapter)) if adapter else model).eval()
+    worst = 0.0
+    for row in table.slice(0, rows).to_pylist():
+        prompt, completion = row["prompt_ids"], row["completion_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+        logp = torch.log_softmax(logits / temperature if temperature else logits, -1)
+        expected = logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        worst = max(worst, float((expected - torch.tensor(row["logprobs"])).abs().max()))
+    return worst
+
+
+def test_lora_run_publishes_adapters_only_and_samples_the_next_iteration_from_them(procs, tmp_path, assets):
+    from train.checkpoint import is_complete, serving_weights
+
+    data, model = assets
+    log = fresh_log(tmp_path)
+    # A LoRA-sized learning rate, so that two steps move the adapters far from the base (~0.6 nats).
+    lora = ("run.max_iterations=2", "train.lora.rank=4", "train.lora.publish=adapters", "train.lr=0.01")
+    procs.start("n0", node_cmd(data, model, log, "--rl-phase", "both", "--eval-interval", "1", overrides=lora))
+    assert procs.wait_all(400) == {"n0": 0}, procs.log("n0")[-3000:]
+    lay = RunLayout(log)
+    for it in (1, 2):
+        folder = lay.checkpoint(it)
+        assert is_complete(folder) and (folder / "adapter" / "adapter_model.safetensors").is_file()
+        assert not (folder / "config.json").exists() and not list(folder.glob("*.safetensors")), "not adapters-only"
+        weights, adapter = serving_weights(folder)
+        assert (weights.resolve(), adapter) == (model.resolve(), folder / "adapter")
+    train2 = _rows(lay, 2)
+    assert set(train2["policy_iteration"].to_pylist()) == {1} and train2.num_rows == 24 * 4
+    # Iteration 2 sampled from the base with adapter 1, which the base alone does not reproduce.
+    assert _max_logprob_gap(train2, model, lay.checkpoint(1) / "adapter", 1.0) < 1e-4
+    assert _max_logprob_gap(train2, model, None, 1.0) > 1e-2
+    final = _rows(lay, 3, "eval")                   # the final evaluation: greedy, base with adapter 2
+    assert set(final["policy_iteration"].to_pylist()) == {2}
+    assert _max_logprob_gap(final, model, lay.checkpoint(2) / "adapter", 0.0) < 1e-4
+    assert _metrics(lay, 3)["eval_accuracy"] is not None
+    assert "finished" in procs.log("n0")
+
+
 @pytest.mark.slow
 def test_two_nodes_split_rollouts_by_weight_and_train_as_one_torchrun(procs, tmp_path, assets):
     data, model = assets

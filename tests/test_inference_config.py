@@ -67,6 +67,7 @@ def test_loopback_detection(host, loopback):
     ({"vllm": {"startup_timeout": 0}}, "inference.vllm.startup_timeout", "0"),
     ({"vllm": {"debug_url": "localhost:8000"}}, "inference.vllm.debug_url", "localhost:8000"),
     ({"vllm": {"served_model_name": " "}}, "inference.vllm.served_model_name", "empty"),
+    ({"vllm": {"max_lora_rank": 4}}, "inference.vllm.max_lora_rank", "4"),
     ({"engine": "sglang"}, "inference.engine", "sglang"),
     ({"between_iterations": "hot-swap"}, "inference.between_iterations", "hot-swap"),
     ({"dtype": "int8"}, "inference.dtype", "int8"),
@@ -84,14 +85,14 @@ def test_bad_values_are_refused_naming_key_and_value(data, key, value):
 
 
 @pytest.mark.parametrize("arg", ["--port", "--port=8000", "--api-key", "--served-model-name", "--logprobs-mode",
-                                 "--seed=3", "--model"])
+                                 "--seed=3", "--model", "--enable-lora", "--max-lora-rank=64", "--max-loras"])
 def test_extra_args_may_not_override_flags_baton_sets(arg):
     with pytest.raises(ConfigError) as err:
         VLLMConfig(extra_args=["--max-num-seqs", "8", arg])
     assert arg in str(err.value) and "extra_args" in str(err.value)
 
 
-@pytest.mark.parametrize("name", ["VLLM_SERVER_DEV_MODE", "VLLM_API_KEY"])
+@pytest.mark.parametrize("name", ["VLLM_SERVER_DEV_MODE", "VLLM_API_KEY", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"])
 def test_env_may_not_set_variables_baton_manages(name):
     with pytest.raises(ConfigError) as err:
         VLLMConfig(env={name: "1"})
@@ -122,3 +123,27 @@ def test_make_engine_resolves_auto_dtype_and_device_for_transformers():
                          temperature=1.0, log_file=None)
     assert isinstance(engine, TransformersEngine)
     assert (engine.device, engine.dtype, engine.max_batch_sequences) == ("cpu", "float32", 7)
+
+
+def test_max_lora_rank_takes_the_ranks_vllm_accepts_and_suggests_the_next():
+    assert [VLLMConfig(max_lora_rank=r).max_lora_rank for r in (0, 1, 8, 16, 512)] == [0, 1, 8, 16, 512]
+    with pytest.raises(ConfigError) as err:
+        VLLMConfig(max_lora_rank=12)
+    assert "use 16" in str(err.value) and "or 0" in str(err.value)
+
+
+def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
+    from coordination.config import load
+    from coordination.runconfig import RunConfig
+
+    def cfg(*over):
+        return load(RunConfig, [], [f"model.path={tmp_path}", "inference.engine=vllm", "train.lora.rank=16",
+                                    "train.lora.publish=adapters", *over])
+
+    with pytest.raises(ConfigError) as err:
+        cfg("inference.vllm.max_lora_rank=8").check_for("both")
+    assert "inference.vllm.max_lora_rank=16" in str(err.value) and "train.lora.publish=merged" in str(err.value)
+    cfg("inference.vllm.max_lora_rank=16").check_for("both")
+    cfg().check_for("update")                                    # an update job serves nothing
+    cfg("train.lora.publish=merged").check_for("rollout")        # merged checkpoints are served as they are
+    cfg("inference.vllm.debug_url=http://127.0.0.1:8000").check_for("both")  # the user's server decides

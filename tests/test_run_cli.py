@@ -12,7 +12,11 @@ BASE = ["--data-path", "/tmp/d", "--log-path", "/tmp/l"]
 
 MISUSE = [
     ([], {}, "Missing option '--data-path'"),
-    (BASE, {}, "Missing option '--rl-phase'"),
+    (BASE, {}, "--rl-phase rollout|update|both is required (or --bench"),
+    (BASE + ["--bench", "--rl-phase", "update"], {}, "--bench benchmarks the trainer on fake data and takes no --rl-phase"),
+    (BASE + ["--bench", "--eval-interval", "1"], {}, "takes no --eval-interval; drop it"),
+    (BASE + ["--rl-phase", "update", "--bench-steps", "3"], {}, "--bench-steps only applies with --bench"),
+    (BASE + ["--bench", "--bench-steps", "0"], {}, "Invalid value for '--bench-steps'"),
     (BASE + ["--rl-phase", "both"], {}, "--eval-interval K is required with --rl-phase both"),
     (BASE + ["--rl-phase", "rollout"], {}, "--rollout-split train-only|eval-only is required"),
     (BASE + ["--rl-phase", "update", "--rollout-split", "train-only"], {}, "--rollout-split only applies"),

@@ -119,3 +119,29 @@ def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     assert rows["ac"]["step_allocations_mb"] < rows["plain"]["step_allocations_mb"]
     assert rows["chunked_logprobs"]["step_allocations_mb"] < rows["plain"]["step_allocations_mb"]
     assert rows["lora"]["trained_parameters"] < rows["plain"]["trained_parameters"]
+
+
+def test_run_sh_bench_runs_the_benchmark_as_one_torchrun_over_two_nodes(procs, tmp_path):
+    """scripts/run.sh --bench on a master and a worker: they join like a run, meet at the master's
+    rendezvous and run one 2-process benchmark of the run's `train` levers; the master prints the
+    table, the JSON lands in the job folder, and no checkpoint or rollout is written."""
+    from coordination.layout import RunLayout
+    from tests.e2e import RUN_SH, fresh_log
+
+    log = fresh_log(tmp_path)
+    common = [RUN_SH, "--data-path", str(tmp_path / "unused-data"), "--log-path", str(log), "--bench", *SMALL,
+              "--num-nodes", "2", "--rank-weights", "1,1", "train.backend=fsdp", "train.ac.freq=1",
+              "coordination.heartbeat_interval=0.5"]
+    procs.start("n0", common + ["--master"])
+    procs.start("n1", common + ["--worker", "1"])
+    assert procs.wait_all(300) == {"n0": 0, "n1": 0}, procs.log("n0")[-3000:] + procs.log("n1")[-3000:]
+    lay = RunLayout(log)
+    report = json.loads(lay.job("bench").bench_json.read_text())
+    assert set(report) == REPORT_KEYS and report["world_size"] == 2 and report["config"]["ac"]["freq"] == 1
+    assert report["config"]["backend"] == "fsdp" and len(report["steps"]) == 2
+    assert report["tokens_per_step"] == 2 * 64                  # 2 sequences of 32 tokens on each of 2 ranks
+    console = procs.log("n0")
+    for column in ("Throughput (tokens/s)", "Step time", "Peak memory", "mean ± std"):
+        assert column in console
+    assert "benchmark done" in console and "benchmark done" in procs.log("n1")
+    assert not lay.checkpoints_dir.exists() and not (log / "rollouts").exists()

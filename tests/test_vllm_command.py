@@ -120,6 +120,18 @@ def test_dev_routes_are_never_opened_on_a_public_host():
         build(VLLMConfig(host="0.0.0.0"), between_iterations="reload")
 
 
+def test_lora_serving_flags_and_runtime_updating_only_when_configured():
+    off = build()
+    assert not {"--enable-lora", "--max-lora-rank", "--max-loras"} & set(off.argv)
+    assert off.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "False"  # an inherited True cannot open the routes
+    on = build(VLLMConfig(max_lora_rank=16, cpu=True, extra_args=["--max-num-seqs", "4"]))
+    assert "--enable-lora" in on.argv and flag(on.argv, "--max-lora-rank") == "16"
+    assert flag(on.argv, "--max-loras") == "1"                     # one slot: the policy's adapter
+    assert on.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert on.env["VLLM_SERVER_DEV_MODE"] == "0"                   # LoRA loading needs no dev routes
+    assert on.argv[-2:] == ["--max-num-seqs", "4"]
+
+
 def test_extra_args_come_last_and_user_env_wins_over_the_recipe():
     spec = build(VLLMConfig(cpu=True, extra_args=["--max-num-seqs", "16"], env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
     assert spec.argv[-2:] == ["--max-num-seqs", "16"]

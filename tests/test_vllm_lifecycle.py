@@ -5,6 +5,7 @@ child process in its group, as vLLM's engine core does. Sampling itself is teste
 vLLM in test_vllm_real.py."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,8 +59,15 @@ class H(BaseHTTPRequestHandler):
         self.reply(404, {"detail": "Not Found"})
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["content-length"] or 0)) or b"{}")
+        if self.path == "/v1/load_lora_adapter" and os.environ.get("FAKE_LORA"):
+            with open(os.environ["FAKE_LORA"], "a") as f:
+                f.write(json.dumps({"load": req}) + "\n")
+            return self.reply(200, {})
         if self.path != "/v1/completions":
             return self.reply(404, {"detail": "Not Found"})
+        if os.environ.get("FAKE_LORA"):
+            with open(os.environ["FAKE_LORA"], "a") as f:
+                f.write(json.dumps({"model": req["model"]}) + "\n")
         if failures["left"] > 0:
             failures["left"] -= 1
             return self.reply(503, {"error": "overloaded"})
@@ -332,3 +340,74 @@ def test_cpu_weight_reload_of_a_tied_checkpoint_is_refused_before_launching(tmp_
             engine.start(checkpoint)
         assert "tie_word_embeddings" in str(err.value) and "between_iterations=restart" in str(err.value)
     assert not (tmp_path / "server.log").exists()  # nothing was launched
+
+
+def lora_adapter(tmp_path: Path, name: str, rank: int = 8) -> Path:
+    """An adapter folder as the trainer publishes it (the stand-in server does not read the weights)."""
+    folder = tmp_path / name / "adapter"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 16}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_adapters_load_in_place_under_one_name_and_completions_name_them(tmp_path, stand_in, checkpoint):
+    events = tmp_path / "lora.jsonl"
+    engine = make(tmp_path, stand_in, max_lora_rank=8, env={"FAKE_LORA": str(events)})
+    first, second = lora_adapter(tmp_path, "iter-1"), lora_adapter(tmp_path, "iter-2", rank=1)
+    sampling = Sampling(max_new_tokens=3)
+    try:
+        engine.start(checkpoint)
+        group = engine.server.pgid
+        engine.generate([[1, 40]], 1, sampling)
+        engine.set_adapter(first)
+        engine.generate([[1, 40]], 1, sampling)
+        engine.set_adapter(first)                      # the same (immutable) folder: nothing to load
+        engine.set_adapter(second)
+        engine.generate([[1, 40]], 1, sampling)
+        assert engine.adapter_dir == second.resolve() and engine.server.pgid == group  # never restarted
+        engine.set_adapter(None)
+        engine.generate([[1, 40]], 1, sampling)
+    finally:
+        engine.stop()
+    load = {"lora_name": "policy-lora", "load_inplace": True}
+    assert [json.loads(line) for line in events.read_text().splitlines()] == [
+        {"model": "policy"},
+        {"load": {**load, "lora_path": str(first.resolve())}}, {"model": "policy-lora"},
+        {"load": {**load, "lora_path": str(second.resolve())}}, {"model": "policy-lora"},
+        {"model": "policy"}]
+
+
+def test_set_adapter_refuses_when_lora_serving_is_off_or_too_small(tmp_path, stand_in, checkpoint):
+    events = tmp_path / "lora.jsonl"
+    wide = lora_adapter(tmp_path, "iter-1", rank=16)
+    for max_rank, expected in ((0, "inference.vllm.max_lora_rank=0"), (8, "above inference.vllm.max_lora_rank=8")):
+        engine = make(tmp_path, stand_in, max_lora_rank=max_rank, env={"FAKE_LORA": str(events)})
+        try:
+            engine.start(checkpoint)
+            with pytest.raises(EngineError) as err:
+                engine.set_adapter(wide)
+            assert expected in str(err.value) and "16" in str(err.value)
+            with pytest.raises(EngineError, match="not a LoRA adapter folder"):
+                engine.set_adapter(checkpoint)
+            assert engine.adapter_dir is None and engine.client.model_name == "policy"
+        finally:
+            engine.stop()
+    assert not events.exists()                         # refused before any request
+
+
+def test_start_on_an_adapters_only_checkpoint_points_at_its_base(tmp_path, stand_in):
+    folder = lora_adapter(tmp_path, "iter-3").parent
+    with pytest.raises(EngineError, match="lora.base") as err:
+        make(tmp_path, stand_in, max_lora_rank=8).start(folder)
+    assert "set_adapter" in str(err.value)
+
+
+def test_debug_mode_names_the_flags_a_users_server_needs_for_adapters(tmp_path, users_server, checkpoint):
+    engine = VLLMEngine(VLLMConfig(debug_url=users_server), debug_mode=True)
+    engine.start(checkpoint)
+    with pytest.raises(EngineError) as err:
+        engine.set_adapter(lora_adapter(tmp_path, "iter-1"))
+    assert "--enable-lora" in str(err.value) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(err.value)
+    assert engine.client.model_name == "theirs" and engine.adapter_dir is None
+    engine.stop()

@@ -5,8 +5,9 @@
     torchrun --nproc-per-node 2 -m train.trainer --bench ...   (several processes)
     python -m train.trainer --bench --config my-run.yaml       (the levers of a run's YAML `train` section)
 
-These are the equivalent of a `run.sh ... train.bench=true`: a benchmark needs no run directory,
-rollouts or other nodes, so it is a command of its own rather than a mode of the driver.
+On a cluster, `scripts/run.sh ... --bench [--bench-* ...]` on every node (instead of --rl-phase)
+runs `train.trainer --bench` as one multi-node torchrun with the run's `train` section and
+rendezvous, and writes the JSON to `<log-path>/jobs/bench/bench.json` (coordination/driver.py).
 
 The model is built exactly as for training (train/build.py, so every lever applies) and trained
 on random token sequences of `--bench-seq-len` tokens, `--bench-batch-size` sequences per

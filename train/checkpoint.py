@@ -22,6 +22,7 @@ from coordination.records import NotThereYet, ensure_dir, publish_record, read_r
 MARKER = "baton-complete.json"
 OPTIMIZER_DIR = "optimizer"
 TRAINER_STATE = "trainer_state.json"
+ADAPTER_DIR = "adapter"  # LoRA adapters in peft's format (train/lora.py)
 
 _log = logging.getLogger("baton.train.checkpoint")
 
@@ -71,6 +72,31 @@ def is_complete(folder: Path) -> bool:
         except FileNotFoundError:
             return False
     return True
+
+
+def serving_weights(folder: Path) -> tuple[Path, Path | None]:
+    """What an inference engine serves for checkpoint (or model) `folder`: (full weights folder,
+    LoRA adapter folder or None). A checkpoint published with train.lora.publish=adapters has no
+    full weights: it is the frozen base model its trainer_state.json names (`lora.base`) plus its
+    `adapter/`. Any other folder is served as it is (with lora.publish=merged its `adapter/` is
+    already merged into the weights); the engine checks that it holds a model."""
+    folder = Path(folder)
+    if (folder / "config.json").exists() or not (folder / TRAINER_STATE).exists():
+        return folder, None
+    try:
+        lora = read_record(folder / TRAINER_STATE, kind="trainer-state").data.get("lora") or {}
+    except NotThereYet as exc:
+        raise CheckpointError(f"{folder / TRAINER_STATE} is damaged ({exc}), and {folder} has no full weights "
+                              f"(config.json): it cannot be served. Restore the checkpoint, or point LATEST at "
+                              f"an older one with `python -m coordination recover`") from None
+    if not lora.get("base"):
+        raise CheckpointError(f"{folder} has neither full weights (config.json) nor LoRA adapters with a base model "
+                              f"(lora.base in {TRAINER_STATE}); it cannot be served")
+    base, adapter = Path(lora["base"]), folder / ADAPTER_DIR
+    if not (base / "config.json").exists():
+        raise CheckpointError(f"the LoRA adapters in {adapter} were trained on the base model {base}, which is gone; "
+                              f"restore it at that path to serve them")
+    return base, adapter
 
 
 def read_latest(layout: RunLayout) -> tuple[int, Path] | None:

@@ -99,8 +99,8 @@ class LoRAConfig:
         help="names of the linear layers that get adapters (peft target_modules), e.g. [q_proj, v_proj]")
     publish: Literal["merged", "adapters"] = option(
         "merged", "what checkpoints carry: merged (full weights with the adapters merged, served as they are, plus "
-                  "the adapters in adapter/) or adapters (only adapter/, for an engine that hot-loads LoRA adapters "
-                  "onto the base model)")
+                  "the adapters in adapter/) or adapters (only adapter/: the engine serves the base model and swaps "
+                  "in each iteration's adapter without a restart; with vLLM set inference.vllm.max_lora_rank)")
 
     def __post_init__(self) -> None:
         if self.rank < 0:

@@ -24,10 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.checkpoint import CheckpointError
+from train.checkpoint import ADAPTER_DIR, CheckpointError
 from train.config import LoRAConfig
-
-ADAPTER_DIR = "adapter"
 
 _log = logging.getLogger("baton.train.lora")
 

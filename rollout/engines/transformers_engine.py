@@ -10,6 +10,9 @@ samples EOS, pad and BOS anywhere).
 
 Prompts of different lengths are left-padded; position ids come from the attention mask, so a
 padded prompt sees the same positions as it would alone.
+
+A LoRA adapter (`set_adapter`) is merged with peft into a freshly loaded copy of the base
+weights, so sampling with an adapter costs what it costs without one.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollout.adapter import WEIGHTS_FILE, read_adapter
 from rollout.engine import Engine, EngineError, Sample, Sampling
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -46,10 +50,29 @@ class TransformersEngine(Engine):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, model_dir: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
+        model = self._load_weights(model_dir)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"transformers engine cannot load the tokenizer of {model_dir}: {exc}") from exc
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids = frozenset(self._eos_ids(model, tokenizer))
+        if not self.eos_ids:
+            raise EngineError(f"{model_dir} defines no eos_token_id (config, generation config or tokenizer); "
+                              f"the engine cannot tell when a completion stops")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.pad_id = int(pad)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.model_dir = model_dir
+        self.adapter_dir = None
+
+    def _load_weights(self, model_dir: Path) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
         if not (model_dir / "config.json").is_file():
             raise EngineError(f"{model_dir} is not a Hugging Face model folder (no config.json); "
                               f"point the engine at a checkpoint folder")
@@ -60,19 +83,24 @@ class TransformersEngine(Engine):
             kwargs["attn_implementation"] = self.attn_implementation
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(self.device)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as exc:
             raise EngineError(f"transformers engine cannot load {model_dir}: {exc}") from exc
-        model.eval()
-        self.model, self.tokenizer = model, tokenizer
-        self.eos_ids = frozenset(self._eos_ids(model, tokenizer))
-        if not self.eos_ids:
-            raise EngineError(f"{model_dir} defines no eos_token_id (config, generation config or tokenizer); "
-                              f"the engine cannot tell when a completion stops")
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.pad_id = int(pad)
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.model_dir = model_dir
+        return model.eval()
+
+    def set_adapter(self, adapter_dir: Path | None) -> None:
+        """Merge the adapter into a fresh copy of the base weights, so sampling costs what it costs
+        without LoRA; merging into the weights being served would stack one adapter on another."""
+        if self.model is None or self.model_dir is None:
+            raise EngineError("transformers engine is not started; call start(base_model_dir) before set_adapter")
+        adapter = read_adapter(adapter_dir) if adapter_dir is not None else None
+        path = adapter.path if adapter is not None else None
+        if path == self.adapter_dir:
+            return  # checkpoint folders are immutable: the same path holds the same adapter
+        model = self._load_weights(self.model_dir)
+        if adapter is not None:
+            model = merge_adapter(model, adapter.path, self.model_dir)
+        self.model = model
+        self.adapter_dir = path
 
     @staticmethod
     def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -91,6 +119,7 @@ class TransformersEngine(Engine):
         self.model = None
         self.tokenizer = None
         self.model_dir = None
+        self.adapter_dir = None
 
     def reload(self, model_dir: Path) -> None:
         # In-process weights are cheap to load; a fresh load also picks up a changed tokenizer.
@@ -193,3 +222,28 @@ class TransformersEngine(Engine):
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def merge_adapter(model: Any, adapter_dir: Path, base_dir: Path) -> Any:
+    """`model` with the peft LoRA adapter in `adapter_dir` merged into its weights (in place)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        config = LoraConfig.from_pretrained(str(adapter_dir))
+        config.inference_mode = True
+        with warnings.catch_warnings():  # peft calls a transformers property that transformers 5 deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = get_peft_model(model, config)
+        result = set_peft_model_state_dict(peft_model, load_file(str(adapter_dir / WEIGHTS_FILE)))
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        raise EngineError(f"cannot apply the LoRA adapter {adapter_dir} to {base_dir}: {exc}; the adapter must "
+                          f"have been trained on this base model") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise EngineError(f"the LoRA adapter {adapter_dir} does not fit {base_dir} (missing {missing[:3]}, "
+                          f"unexpected {list(result.unexpected_keys)[:3]}); serve it on the base model it was "
+                          f"trained on (trainer_state.json, lora.base)")
+    return peft_model.merge_and_unload().eval()

@@ -71,6 +71,28 @@ class VLLMClient:
         except ValueError:
             return {}
 
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str, *, timeout: float) -> None:
+        """Load the LoRA adapter at `path` under `name`, replacing in place what `name` served before
+        (load_inplace): one name for every iteration, no restart. Needs a server with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=True."""
+        route = "/v1/load_lora_adapter"
+        try:
+            with self.http(timeout) as client:
+                r = client.post(route, json={"lora_name": name, "lora_path": path, "load_inplace": True})
+        except httpx.HTTPError as exc:
+            raise EngineError(f"POST {self.base_url}{route} failed: {type(exc).__name__}: {exc}"
+                              f"{self.server_note()}") from exc
+        if r.status_code == 404 and _route_missing(r):
+            raise EngineError(
+                f"the vLLM server at {self.base_url} has no {route} (HTTP 404): runtime LoRA loading is off. " + (
+                    "Restart your server with --enable-lora --max-lora-rank R (R >= the adapter's rank) and the "
+                    "environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" if self.debug_server
+                    else "Set inference.vllm.max_lora_rank to at least the adapter's rank"))
+        if r.status_code >= 400:
+            raise EngineError(f"the vLLM server at {self.base_url} refused to load the LoRA adapter {path} "
+                              f"(HTTP {r.status_code}): {r.text[:500]}{self.server_note()}")
+
     # -- completions ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
         return asyncio.run(self._generate_all(prompts, n, sampling))
@@ -119,6 +141,14 @@ class VLLMClient:
                 _log.warning("%s failed (%s); retry %d/%d in %.1f s", url, last, attempt + 1, self.retries, delay)
                 await asyncio.sleep(delay)
         raise EngineError(f"{url} failed {self.retries + 1} times; last error: {last}.{self.server_note()}")
+
+
+def _route_missing(r: httpx.Response) -> bool:
+    """A 404 of the web framework (unknown route), not vLLM's own 404 for an adapter it cannot find."""
+    try:
+        return r.json().get("detail") == "Not Found"
+    except (ValueError, AttributeError):
+        return True
 
 
 def check_convention(sampling: Sampling, logprobs_mode: str | None) -> None:

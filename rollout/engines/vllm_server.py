@@ -102,6 +102,9 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
         argv += ["--enforce-eager"]
     if between_iterations == "sleep" and not cfg.cpu:
         argv += ["--enable-sleep-mode"]  # vLLM refuses this flag on CPU, where sleep is a no-op anyway
+    if cfg.max_lora_rank:
+        # One slot: the policy's adapter is replaced in place each iteration, never added beside it.
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "1"]
     argv += list(cfg.extra_args)
 
     env = dict(CPU_RECIPE_ENV) if cfg.cpu else {}
@@ -111,6 +114,8 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
     # Set explicitly both ways so a VLLM_SERVER_DEV_MODE=1 inherited from the user's shell cannot
     # open unauthenticated routes on a public interface.
     env["VLLM_SERVER_DEV_MODE"] = "1" if dev_routes else "0"
+    # Likewise both ways: the runtime LoRA routes exist only when baton loads adapters through them.
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True" if cfg.max_lora_rank else "False"
     if api_key:
         env["VLLM_API_KEY"] = api_key  # not --api-key: argv is world-readable through ps
     return ServerSpec(argv=argv, env=env, host=cfg.host, port=port, api_key=api_key,
@@ -173,6 +178,10 @@ def group_members(pgid: int) -> list[int]:
 def check_checkpoint(model_dir: Path) -> None:
     # vLLM reads only top-level *.safetensors (a glob without recursion), so optimizer state in a
     # subfolder is never mistaken for weights; at the top level it would be.
+    if not (model_dir / "config.json").is_file() and (model_dir / "adapter").is_dir():
+        raise EngineError(f"{model_dir} holds LoRA adapters only (train.lora.publish=adapters), no full weights: "
+                          f"start the engine on the base model its trainer_state.json names (lora.base) and "
+                          f"serve {model_dir / 'adapter'} with set_adapter")
     if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
         raise EngineError(f"{model_dir} is not a Hugging Face checkpoint folder (config.json and top-level "
                           f"*.safetensors weights); point the engine at a complete checkpoint")
