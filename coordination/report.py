@@ -209,7 +209,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         t.add_row(str(r["iteration"]), _fmt(r["train_reward"]), _fmt(r["eval_accuracy"]),
                   "-" if r["eval_of_checkpoint"] is None else str(r["eval_of_checkpoint"]), _fmt(r["loss"], 4),
                   _fmt(r["rollout_s"], 1), _fmt(r["eval_s"], 1), _fmt(r["train_s"], 1))
-    Console().print(t)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a log file: rich's 80 columns would cut the headers
+        console = Console(width=120)
+    console.print(t)
     evals = [r for r in rows if r["eval_accuracy"] is not None]
     if len(evals) >= 2:
         a, b = evals[0], evals[-1]

@@ -4,7 +4,7 @@
 # on this machine (scripts/run.sh --master and --worker 1, rank weights 2,1) and print eval
 # accuracy, reward and phase times per iteration, the report and where the logs are.
 #
-#   bash scripts/demo.sh            (about 10 minutes on 2 cores; BATON_DEMO_DIR sets the folder)
+#   bash scripts/demo.sh            (about 11 minutes on 2 cores, 2 of them setting up .venv; BATON_DEMO_DIR sets the folder)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -26,7 +26,7 @@ echo "== 2/4 a tiny character-level Llama"
 echo "== 3/4 SFT warm start until greedy eval accuracy reaches 25% (leaves headroom for RL)"
 OMP_NUM_THREADS=2 "$py" -m train.sft --model "$work/tiny" --data "$work/data/train.jsonl" --out "$work/sft" \
   --eval-data "$work/data/eval.jsonl" --target-accuracy 0.25 --eval-every 25 --steps 1500 2>&1 \
-  | tee "$work/sft.log" | grep -E "eval|accuracy|wrote|step +[0-9]*0 " || true
+  | tee "$work/sft.log" | grep -E "accuracy|wrote|step +[0-9]*00 " || true
 [ -f "$work/sft/config.json" ] || { echo "SFT did not write $work/sft; see $work/sft.log" >&2; exit 1; }
 
 echo "== 4/4 RL on two nodes of this machine (logs: $work/node-0.log, $work/node-1.log)"
