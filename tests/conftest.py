@@ -8,6 +8,18 @@ import pytest
 from tests.procs import Procs
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The CI machine has 2 shared cores; torch's OpenMP pool spins badly when oversubscribed.
+    Modules that run models in the test process use it: pytestmark = usefixtures(...)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def procs(tmp_path: Path):
     p = Procs(tmp_path / "proc-logs")

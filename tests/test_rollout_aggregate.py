@@ -26,15 +26,7 @@ from train.tiny import write_tiny_model
 RUN_ID = "run-agg"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The CI machine has 2 shared cores; torch's OpenMP pool spins badly when oversubscribed."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rows_for(task_id: str, rewards: list[float], *, rank: int, generation: int = 1, split: str = "train",

@@ -11,15 +11,7 @@ from train.tiny import write_tiny_model
 EOS = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The CI machine has 2 shared cores; torch's OpenMP pool spins badly when oversubscribed."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

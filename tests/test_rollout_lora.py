@@ -19,12 +19,7 @@ SAMPLED = Sampling(max_new_tokens=8, temperature=1.0, seed=7)
 GREEDY = Sampling(max_new_tokens=8, temperature=0.0, stop_at_eos=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_adapter(base: Path, out: Path, *, rank: int, seed: int) -> Path:
