@@ -133,6 +133,8 @@ def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict)
                         ("--rollout-split", rollout_split), ("--debug-mode", debug_mode or None)):
         if value is not None:
             _fail(f"--bench benchmarks the trainer on fake data and takes no {flag}; drop it")
+    if bench["bench_output_json"] is not None:  # the trainer's rank 0 may run in another node's folder
+        bench["bench_output_json"] = bench["bench_output_json"].absolute()
     return bench
 
 
