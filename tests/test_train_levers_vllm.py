@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from coordination.procgroup import stop_group
 from tests import train_support as ts
 
 pytestmark = pytest.mark.vllm
@@ -103,7 +104,7 @@ def server(base, vllm_python, tmp_path_factory):
             time.sleep(1)
         yield url, proc
     finally:
-        ts.stop(proc)
+        stop_group(proc, timeout=10)
 
 
 def _greedy(url: str, model: str) -> list[tuple[list[int], list[float]]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 from coordination.layout import RunLayout
+from coordination.procgroup import stop_group
 from rollout import store
 from rollout.prompts import encode_prompt
 
@@ -93,23 +93,6 @@ def start(cmd: list[str], log: Path, environ: dict[str, str] | None = None) -> s
         fh.close()
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, then SIGKILL after a grace period."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
-
-
 def run_nodes(commands: list[list[str]], logs: list[Path], timeout: float = 240.0) -> list[int]:
     """Start every command in its own process group, wait for all, kill leftovers; exit codes."""
     procs = []
@@ -122,7 +105,7 @@ def run_nodes(commands: list[list[str]], logs: list[Path], timeout: float = 240.
         return [p.returncode for p in procs]
     finally:
         for p in procs:
-            stop(p)
+            stop_group(p, timeout=10)
 
 
 def run_module(module: str, args: list[str], log: Path, timeout: float = 180.0,
@@ -134,7 +117,7 @@ def run_module(module: str, args: list[str], log: Path, timeout: float = 180.0,
     try:
         return proc.wait(timeout)
     finally:
-        stop(proc)
+        stop_group(proc, timeout=10)
 
 
 def prepare(layout: RunLayout, iteration: int, input_checkpoint: Path, input_iteration: int, *, world_size: int = 1,
