@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-ensure_venv .venv requirements.txt
+ensure_project_venv
 
 work="${BATON_DEMO_DIR:-$PWD/demo-run}"
 py="$PWD/.venv/bin/python"

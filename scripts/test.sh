@@ -20,7 +20,7 @@ while [ $# -gt 0 ]; do
 done
 
 source scripts/venv.sh
-ensure_venv .venv requirements.txt requirements-dev.txt
+ensure_project_venv
 
 markers="not slow and not vllm and not netns"
 if [ "$all" = 1 ]; then

