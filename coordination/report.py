@@ -1,9 +1,11 @@
 """`python -m coordination report --log-path L [--out DIR]`: draw the run.
 
 Writes four PNGs and a short Markdown summary from the metrics records and the timelines:
-  learning.png   train reward and eval accuracy per iteration
-  timeline.png   a Gantt chart of phases per rank (work solid, waiting hatched): stragglers and
-                 coordination gaps are visible at a glance
+  learning.png   train reward and eval accuracy per policy checkpoint (two panels, one x axis)
+  timeline.png   a Gantt chart per rank in three colours groups -- work (rollout, eval, train),
+                 coordination (the other phases' actions) and waiting at barriers -- over a bar
+                 per iteration of how its rank-seconds split, so a straggler (waiting grows) or
+                 slow coordination is visible at a glance
   throughput.png rollout tokens/s per rank per iteration
   loss.png       training loss (and entropy) per iteration
 Reads only; writes only into --out (default <log-path>/report).
@@ -15,7 +17,6 @@ from typing import Any
 
 from coordination import timeline
 from coordination.layout import JOBS, RunLayout, iteration_number
-from coordination.phases import BY_NUMBER
 from coordination.records import RecordError, try_read
 
 
@@ -60,68 +61,137 @@ def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _fig(title: str):
+# The work an iteration exists for; every other phase's action is coordination, and time spent
+# at a barrier waiting for the others is waiting.
+WORK_PHASES = {1: "rollout", 5: "eval", 10: "train"}
+GROUPS = ("work", "coordination", "waiting")
+
+
+def span_group(span: dict[str, Any]) -> str:
+    if span["kind"] == "wait":
+        return "waiting"
+    return "work" if span["phase"] in WORK_PHASES else "coordination"
+
+
+def iteration_split(spans: list[dict]) -> dict[int, dict[str, float]]:
+    """Rank-seconds of each iteration (all lanes added up) per group, and the coordination share."""
+    out: dict[int, dict[str, float]] = {}
+    for s in spans:
+        row = out.setdefault(s["iteration"], dict.fromkeys(GROUPS, 0.0))
+        row[span_group(s)] += max(s["end"] - s["start"], 0.0)
+    for row in out.values():
+        total = sum(row[g] for g in GROUPS)
+        row["coordination_share"] = row["coordination"] / total if total > 0 else 0.0
+    return dict(sorted(out.items()))
+
+
+def _plt():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+    return plt
+
+
+def _fig(title: str):
+    fig, ax = _plt().subplots(figsize=(9, 4.8), dpi=110)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     return fig, ax
 
 
 def _save(fig, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:   # iterations and checkpoints are whole numbers
+        if ax.get_xlabel().startswith(("iteration", "policy checkpoint")):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
+def _by_checkpoint(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """Iteration N samples and evaluates the policy checkpoint it starts from (N-1 unless the
+    metrics name another): plot each number at that checkpoint."""
+    pts = [(m.get("policy_iteration", m["iteration"] - 1), m[key]) for m in metrics
+           if isinstance(m.get(key), (int, float)) and isinstance(m.get("policy_iteration", 0), int)]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def plot_learning(metrics: list[dict], out: Path) -> Path:
-    fig, ax = _fig("Learning: train reward and eval accuracy")
-    x, y = _series(metrics, "train_reward_mean")
-    ax.plot(x, y, "o-", label="train reward (mean over samples)")
-    # eval at iteration N measures the policy of iteration N-1: plot it at its policy's position
-    x, y = _series(metrics, "eval_accuracy")
-    ax.plot([i - 1 for i in x], y, "s-", label="eval accuracy (of the checkpoint of that iteration)")
-    ax.set_xlabel("iteration (checkpoint)")
-    ax.set_ylabel("reward / accuracy (0-1)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(loc="best")
+    fig, (top, bottom) = _plt().subplots(2, 1, sharex=True, figsize=(9, 6.4), dpi=110)
+    top.set_title("Learning per policy checkpoint (0 = the starting model)")
+    x, y = _by_checkpoint(metrics, "train_reward_mean")
+    top.plot(x, y, "o-", color="tab:blue")
+    top.set_ylabel("train reward\n(mean of its samples)")
+    x, y = _by_checkpoint(metrics, "eval_accuracy")
+    bottom.plot(x, y, "s-", color="tab:green")
+    bottom.set_ylabel("eval accuracy")
+    bottom.set_xlabel("policy checkpoint (the iteration that trained it)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(-0.02, 1.02)
     return _save(fig, out / "learning.png")
 
 
+GROUP_STYLE = {"coordination": dict(color="tab:orange", alpha=0.95),
+               "waiting": dict(color="0.75", hatch="//", alpha=0.8)}
+WORK_COLORS = {1: "tab:blue", 5: "tab:green", 10: "tab:purple"}
+
+
 def plot_timeline(spans: list[dict], out: Path) -> Path:
-    import matplotlib
     from matplotlib.patches import Patch
 
-    fig, ax = _fig("Phases per rank over time (solid: working, hatched: waiting at a barrier)")
+    plt = _plt()
+    lanes = sorted({(s["job"], s["rank"]) for s in spans}, key=lambda k: (JOBS.index(k[0]), k[1]))
+    fig, (ax, share_ax) = plt.subplots(2, 1, figsize=(11, 3.6 + 0.45 * max(1, len(lanes))), dpi=110,
+                                       gridspec_kw={"height_ratios": [max(2, len(lanes)), 2]})
+    ax.set_title("Phases per rank over time")
+    ax.grid(alpha=0.3)
     if spans:
         t0 = min(s["start"] for s in spans)
-        lanes = sorted({(s["job"], s["rank"]) for s in spans}, key=lambda k: (JOBS.index(k[0]), k[1]))
-        cmap = matplotlib.colormaps["tab20"].resampled(14)
-        for lane, (job, rank) in enumerate(lanes):
+        for lane, key in enumerate(lanes):
             for s in spans:
-                if (s["job"], s["rank"]) != (job, rank):
+                if (s["job"], s["rank"]) != key:
                     continue
+                group = span_group(s)
+                style = dict(GROUP_STYLE[group]) if group != "work" else dict(color=WORK_COLORS[s["phase"]])
                 ax.barh(lane, max(s["end"] - s["start"], 1e-3), left=s["start"] - t0, height=0.7,
-                        color=cmap(s["phase"]), hatch="//" if s["kind"] == "wait" else None,
-                        alpha=0.45 if s["kind"] == "wait" else 0.95, edgecolor="none")
+                        edgecolor="none", **style)
         starts: dict[int, float] = {}
         for s in spans:
             starts[s["iteration"]] = min(starts.get(s["iteration"], s["start"]), s["start"])
+        label_at = ax.get_xaxis_transform()   # x in seconds, y as a fraction of the axes' height
         for it, t in sorted(starts.items()):
             ax.axvline(t - t0, color="black", lw=0.6, ls="--", alpha=0.5)
-            ax.text(t - t0, -0.6, f" it {it}", fontsize=7, va="bottom")
+            ax.text(t - t0, 0.98, f" it {it}", fontsize=7, va="top", transform=label_at)
         ax.set_yticks(range(len(lanes)), [f"{j} rank {r}" for j, r in lanes])
-        ax.invert_yaxis()
-        used = sorted({s["phase"] for s in spans})
-        ax.legend(handles=[Patch(color=cmap(p), label=f"{p} {BY_NUMBER[p].name}") for p in used],
-                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+        ax.set_ylim(len(lanes) - 0.4, -0.9)   # room under the top edge for the iteration labels
+    handles = [Patch(color=WORK_COLORS[p], label=f"work: {name}") for p, name in WORK_PHASES.items()]
+    handles += [Patch(label="coordination: the other phases",
+                      **GROUP_STYLE["coordination"]),
+                Patch(label="waiting at a barrier for the other ranks", **GROUP_STYLE["waiting"])]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_xlabel("seconds since the first phase started")
-    fig.set_size_inches(11, 1.2 + 0.45 * max(1, len({(s['job'], s['rank']) for s in spans})) + 2)
+
+    split = iteration_split(spans)
+    its = list(split)
+    bottom = [0.0] * len(its)
+    for group, color in (("work", "tab:blue"), ("coordination", "tab:orange"), ("waiting", "0.75")):
+        totals = [sum(split[i][g] for g in GROUPS) or 1.0 for i in its]
+        frac = [split[i][group] / t for i, t in zip(its, totals)]
+        share_ax.bar(its, frac, bottom=bottom, color=color, label=group)
+        bottom = [b + f for b, f in zip(bottom, frac)]
+    for i in its:
+        share_ax.text(i, 1.02, f"{split[i]['coordination_share'] * 100:.0f}%", ha="center", fontsize=7)
+    share_ax.set_ylim(0, 1.15)
+    share_ax.set_ylabel("share of rank-seconds")
+    share_ax.set_xlabel("iteration (label: coordination share)")
+    share_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    if its:
+        share_ax.set_xticks(its)
     return _save(fig, out / "timeline.png")
 
 
@@ -145,13 +215,14 @@ def plot_loss(metrics: list[dict], out: Path) -> Path:
     ax.plot(x, y, "o-", label="loss (mean over optimizer steps)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
+    handles = ax.get_lines()
     x2, y2 = _series(metrics, "entropy")
     if x2:
         ax2 = ax.twinx()
-        ax2.plot(x2, y2, "^--", color="tab:orange", label="entropy (nats/token)")
+        handles += ax2.plot(x2, y2, "^--", color="tab:orange", label="entropy (nats/token)")
         ax2.set_ylabel("entropy (nats per token)")
-        ax2.legend(loc="upper right")
-    ax.legend(loc="upper left")
+    # One legend for both axes, under the plot, where no marker can cover it.
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     return _save(fig, out / "loss.png")
 
 
@@ -228,7 +299,9 @@ def make_report(log_path: Path, out: Path | None = None) -> dict[str, Any]:
     out = Path(out) if out else layout.report_dir
     out.mkdir(parents=True, exist_ok=True)
     metrics = load_metrics(layout)
-    pngs = [plot_learning(metrics, out), plot_timeline(load_spans(layout), out), plot_throughput(metrics, out),
+    spans = load_spans(layout)
+    pngs = [plot_learning(metrics, out), plot_timeline(spans, out), plot_throughput(metrics, out),
             plot_loss(metrics, out)]
     md = write_summary(layout, metrics, pngs, out)
-    return {"out": str(out), "summary": str(md), "pngs": [str(p) for p in pngs], "rows": summary_rows(metrics)}
+    return {"out": str(out), "summary": str(md), "pngs": [str(p) for p in pngs], "rows": summary_rows(metrics),
+            "iterations": iteration_split(spans)}

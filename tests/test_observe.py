@@ -55,6 +55,24 @@ def test_report_writes_readable_pngs_and_a_summary_with_the_metrics_numbers(tmp_
     assert [r["eval_accuracy"] for r in res["rows"]] == pytest.approx([0.30, 0.35, 0.40])
 
 
+def test_timeline_splits_each_iteration_into_work_coordination_and_waiting(tmp_path):
+    """Per iteration of the fixture: rank 0 works 3 s (phase 1) and coordinates 1.5 s (phase 2's
+    action); rank 1 works 4 s, coordinates 0.5 s and waits 1 s at the barrier. The coordination
+    share is the non-work phases' seconds over all rank-seconds: 2 / 10."""
+    lay = _fixture_metrics(tmp_path / "run")
+    t0 = 1_700_000_000.0
+    for it in (1, 2, 3):
+        for event, at in (("wait-start", 4.5), ("wait-end", 5.5)):
+            timeline.append(lay.job("both").timeline(1), {"job": "both", "rank": 1, "iteration": it, "phase": 2,
+                            "name": "x", "attempt": 1, "event": event, "wall": t0 + 30 * (it - 1) + at})
+    res = make_report(lay.root, tmp_path / "out")
+    assert list(res["iterations"]) == [1, 2, 3]
+    for split in res["iterations"].values():
+        assert split["work"] == pytest.approx(7.0) and split["coordination"] == pytest.approx(2.0)
+        assert split["waiting"] == pytest.approx(1.0)
+        assert split["coordination_share"] == pytest.approx(0.2)
+
+
 def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
