@@ -3,7 +3,8 @@
 Prints the resolved config, this rank's phase plan, the task split per rank for the next
 iteration, and the exact inference-server and torchrun commands (the rendezvous port is chosen
 by the master at phase 9, so it is shown as a placeholder). Reads the log path if a run is
-there (to know the next iteration) but never writes to it.
+there -- where the job stands (finished, or the iteration and phase this rank last reported) and
+how this command's config differs from the recorded one -- but never writes to it.
 """
 from __future__ import annotations
 
@@ -13,19 +14,52 @@ from pathlib import Path
 
 import click
 
-from coordination.config import dump_yaml
+from coordination.config import differences, dump_yaml, to_dict
 from coordination.layout import RunLayout
-from coordination.phases import BY_NUMBER, JOB_PHASES
+from coordination.phases import BY_NUMBER, JOB_PHASES, phase_name
 from coordination.records import RecordError, try_read
 
 
-def _next_iteration(layout: RunLayout, job: str) -> int:
+def _read(path: Path, kind: str, run_id: str | None = None):
     try:
-        run = try_read(layout.run_json, kind="run")
-        prog = try_read(layout.job(job).progress_json, kind="progress", run_id=run.run_id) if run else None
+        return try_read(path, kind=kind, run_id=run_id)
     except RecordError:
-        prog = None
-    return int(prog.data["completed_iteration"]) + 1 if prog else 1
+        return None
+
+
+def standing(layout: RunLayout, args, cfg) -> tuple[int, list[str], bool]:
+    """(next iteration, lines saying where the recorded run stands, whether the job is finished)."""
+    from coordination.manifest import NODE_LOCAL_KEYS, read_config_yaml
+
+    run = _read(layout.run_json, "run")
+    if run is None:
+        who = "creates it" if args.is_master else "waits for the master to create it"
+        return 1, [f"no run in {layout.root} yet: this command {who}"], False
+    lines = [f"run {run.run_id} in {layout.root}"]
+    prog = _read(layout.job(args.job).progress_json, "progress", run.run_id)
+    done = int(prog.data.get("completed_iteration", 0)) if prog else 0
+    finished = bool(prog and prog.data.get("stopped"))
+    if finished:
+        lines.append(f"job {args.job} is finished: it stopped after iteration {done} ({prog.data['stopped']}). "
+                     f"Running this command again does nothing.")
+    else:
+        beat = _read(layout.job(args.job).heartbeat(args.rank), "heartbeat", run.run_id)
+        at = f"job {args.job} is at iteration {done + 1}"
+        if beat is not None and beat.data.get("iteration") is not None:
+            d = beat.data
+            at += (f"; rank {args.rank} last reported iteration {d['iteration']}, phase {d.get('phase')} "
+                   f"{phase_name(d.get('phase'))} ({d.get('state', '?')}: {d.get('message', '')})")
+        lines.append(at)
+    recorded = read_config_yaml(layout)
+    if recorded is not None:
+        diff = differences(recorded, to_dict(cfg), NODE_LOCAL_KEYS)
+        if diff:
+            lines.append(f"this command's config differs from the recorded run in {len(diff)} key(s) "
+                         f"(recorded -> this command); the run refuses it unless started with --resume:")
+            lines += [f"  {d}" for d in diff]
+        else:
+            lines.append("this command's config matches the recorded run")
+    return done + 1, lines, finished
 
 
 def dry_run(args, cfg) -> int:
@@ -34,9 +68,14 @@ def dry_run(args, cfg) -> int:
 
     echo = click.echo
     layout = RunLayout(args.log_path)
-    it = _next_iteration(layout, args.job)
+    it, where, finished = standing(layout, args, cfg)
     role = "master" if args.is_master else f"worker {args.rank}"
-    echo(f"# dry run: job {args.job}, {role} of {args.num_nodes} node(s), next iteration {it}; nothing is written")
+    echo(f"# dry run: job {args.job}, {role} of {args.num_nodes} node(s); nothing is written")
+    echo("\n## where the run stands\n")
+    echo("\n".join(where))
+    if finished:
+        return 0
+    echo(f"\nnext iteration: {it}")
     echo("\n## resolved config\n")
     echo(dump_yaml(cfg))
 

@@ -142,3 +142,60 @@ def test_training_progress_follows_the_trainer_log(tmp_path, caplog):
         p.close()
     assert p.done == 4 and said[-1] == "train iter 2: step 4/4"
     assert any("train iter 2: 4/4 steps" in r.getMessage() for r in caplog.records)
+
+
+def _recorded_run(tmp_path: Path, *, completed: int, stopped: str | None) -> tuple[Path, Path, Path, list[str]]:
+    """A run folder as a finished (or interrupted) run leaves it: run.json, config.yaml of the
+    command `overrides` with run.max_iterations=12, the job's progress and rank 1's heartbeat."""
+    import yaml
+
+    from coordination.config import to_dict
+    from coordination.runconfig import load_run_config
+
+    data, model = make_assets(tmp_path / "assets")
+    log = tmp_path / "run"
+    overrides = [f"model.path={model}", "tasks.tasks_per_iteration=40"]
+    cfg = load_run_config([], [f"run.data_path={data}", "run.eval_interval=1", "run.max_iterations=12", *overrides])
+    lay = RunLayout(log)
+    create_record(lay.run_json, "run", {"config_hash": "h", "created_by": "t"}, run_id=RUN, generation=0)
+    lay.config_yaml.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    publish_record(lay.job("both").progress_json, "progress", {"completed_iteration": completed, "stopped": stopped},
+                   run_id=RUN, generation=1)
+    publish_record(lay.job("both").heartbeat(1), "heartbeat", {"iteration": completed + 1, "phase": 10,
+                   "state": "running", "message": "train iter 6: step 2/4", "counter": 3, "nonce": "n"},
+                   run_id=RUN, generation=1)
+    return data, log, model, overrides
+
+
+def _dry_run(data: Path, log: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both",
+           "--eval-interval", "1", "--num-nodes", "2", "--rank-weights", "1,1", "--worker", "1", "--dry-run",
+           *overrides]
+    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def _listing(root: Path) -> list[tuple[str, int, int]]:
+    return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_dry_run_on_a_finished_run_says_it_is_finished_and_shows_config_differences(tmp_path):
+    data, log, _, overrides = _recorded_run(tmp_path, completed=13, stopped="run.max_iterations (12) reached")
+    before = _listing(log)
+    res = _dry_run(data, log, [*overrides, "run.max_iterations=2"])
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "job both is finished: it stopped after iteration 13 (run.max_iterations (12) reached)" in out
+    assert "differs from the recorded run in 1 key(s)" in out and "run.max_iterations: 12 -> 2" in out
+    assert "next iteration" not in out and "iter-13" not in out      # no plan for a run that will not run
+    assert _listing(log) == before
+
+
+def test_dry_run_on_an_interrupted_run_says_where_this_rank_stands(tmp_path):
+    data, log, _, overrides = _recorded_run(tmp_path, completed=5, stopped=None)
+    before = _listing(log)
+    res = _dry_run(data, log, [*overrides, "run.max_iterations=12"])
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "job both is at iteration 6; rank 1 last reported iteration 6, phase 10 train" in out
+    assert "this command's config matches the recorded run" in out and "next iteration: 6" in out
+    assert _listing(log) == before
