@@ -8,8 +8,9 @@ tracked text file and check that:
 
 - every repository path it names exists;
 - nothing cites a document kept outside the repository;
-- every `docs/design.md §N` names a section of docs/design.md, every `§5 rule M` one of its
-  protocol rules, and every `§6 phase P` a phase of the phase table.
+- every citation `docs/design.md §N` names a section of docs/design.md; one of the form
+  `docs/design.md §5 rule M` names one of its protocol rules, and `docs/design.md §6 phase P`
+  a phase of the phase table.
 
 The fixtures of the last test are assembled at run time (and `\\u00a7` stands for the section
 sign) so that this file does not trip its own scan.
@@ -179,8 +180,8 @@ def test_the_scan_reports_planted_dangling_references(tmp_path):
     pattern = path_pattern(["coordination", "configs"])
     good = "see coordination/runner.py and README.md; a rollout/update pair; <log>/configs/x.yaml"
     assert dangling_paths(good, pattern, tmp_path) == []
-    bad = "see coordination/" + "gone.py, configs/" + "x.yaml and CONTRIB" + "UTING.md"
-    assert dangling_paths(bad, pattern, tmp_path) == ["coordination/gone.py", "configs/x.yaml", "CONTRIBUTING.md"]
+    gone, other, doc = "coordination/" + "gone.py", "configs/" + "x.yaml", "CONTRIBUTING" + ".md"
+    assert dangling_paths(f"see {gone}, {other} and {doc}", pattern, tmp_path) == [gone, other, doc]
 
     assert outside_citations("# rule (DESIGN " + SECTION + "5 rule 7), see FIELD" + "-NOTES") != []
     assert len(outside_citations("# STYLE" + " item 3; ../" + "shared/x")) == 2
