@@ -1,4 +1,4 @@
-"""Barriers: arrival files plus the master's GO (DESIGN §5 rules 4, 5, 7, 9).
+"""Barriers: arrival files plus the master's GO (docs/design.md §5 rules 4, 5, 7, 9).
 
 A barrier is named by (job, iteration, phase, attempt) and never reused. Each rank publishes
 `rank-R` (ok/error, a small payload, its generation); the master polls the known arrival names,

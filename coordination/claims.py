@@ -1,5 +1,5 @@
 """Rank claims with generations: who may act as rank R, and fencing of superseded holders
-(DESIGN §5 rule 7).
+(docs/design.md §5 rule 7).
 
 Two mechanisms, each for what it is good at:
 

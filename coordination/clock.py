@@ -45,7 +45,7 @@ class FakeClock(Clock):
 
 
 class Backoff:
-    """Polling delays that start at `lo` and grow by `factor` up to `hi` (DESIGN §5 rule 5).
+    """Polling delays that start at `lo` and grow by `factor` up to `hi` (docs/design.md §5 rule 5).
 
     A barrier released soon after a rank starts waiting is seen within tens of milliseconds,
     while a long wait costs about one probe per second."""

@@ -1,5 +1,6 @@
 """Typed configuration: dataclasses documented on the field, loaded from YAML, overridden by
-`key=value`, checked in `__post_init__` (STYLE item 3).
+`key=value`, checked in `__post_init__`, so a bad value is refused when the config
+is loaded, naming its key, instead of failing deep inside a phase on some node.
 
 This module is the generic machinery plus the coordination section. Each component declares its
 own dataclass (rollout/config.py, train/config.py); the driver composes them. Resolution order:
@@ -285,7 +286,7 @@ def non_negative(value: float, key: str) -> None:
 
 @dataclass
 class CoordinationConfig:
-    """How nodes find each other and how long they wait (DESIGN §5)."""
+    """How nodes find each other and how long they wait (docs/design.md §5)."""
 
     heartbeat_interval: float = option(5.0, "seconds between heartbeat rewrites of each rank")
     peer_timeout: float = option(

@@ -1,4 +1,4 @@
-"""The RL phase table (DESIGN §6): the one module that knows coordination, rollout and train.
+"""The RL phase table (docs/design.md §6): the one module that knows coordination, rollout and train.
 
 `run_node(args)` joins the job, builds the table for its `--rl-phase` and hands it to the
 generic `PhaseRunner`. Every action is idempotent: a phase redone after a crash finds its

@@ -1,4 +1,4 @@
-"""Heartbeats: a writer thread per rank and a liveness judge on the reader's side (DESIGN §5 rule 6).
+"""Heartbeats: a writer thread per rank and a liveness judge on the reader's side (docs/design.md §5 rule 6).
 
 A heartbeat is a record rewritten every `heartbeat_interval` seconds with a counter and a nonce
 (random per process), plus what the rank is doing (iteration, phase, message) for `status`.

@@ -1,4 +1,4 @@
-"""Every path under `--log-path`, in one place (DESIGN §4).
+"""Every path under `--log-path`, in one place (docs/design.md §4).
 
 Nobody else formats a path inside the run directory: they ask `RunLayout` (run-level files,
 rollouts, training, checkpoints, metrics) or its `JobLayout` (claims, heartbeats, barriers,

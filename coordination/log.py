@@ -1,4 +1,5 @@
-"""Logging with a rank/role prefix on every line (STYLE item 10).
+"""Logging with a rank/role prefix on every line (several ranks often share one
+console or file, and every line must say whose it is).
 
 `setup("rank1 worker", log_file)` sends records to stderr and, when given, to a log file of the
 rank under logs/<job>/rank-R/. Everything else calls `logging.getLogger("baton.<area>")`.

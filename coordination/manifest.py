@@ -1,4 +1,4 @@
-"""Run identity and joining (DESIGN §4, §5 rule 10).
+"""Run identity and joining (docs/design.md §4, §5 rule 10).
 
 - `run.json` (created once, O_EXCL, by the first master): run_id and the config hash it began with.
 - `config.yaml`: the resolved config now in force; a change accepted with `--resume` is

@@ -1,7 +1,7 @@
 """One rank's identity in a job, and the bounded wait every coordination step uses.
 
 `Node.join(...)` takes the rank's claim and starts its heartbeat; `Node.wait_for(...)` polls known
-file names with backoff while judging the peers it waits for (DESIGN §5 rules 5, 6 and 9):
+file names with backoff while judging the peers it waits for (docs/design.md §5 rules 5, 6 and 9):
 a lost peer is named with its host, last phase and the command that restarts it; the wait goes
 on for `rejoin_timeout` so the peer can come back; after that it raises `PeerLost`.
 """

@@ -1,4 +1,4 @@
-"""The phase table's shape (DESIGN §6): numbers, names, who acts, where the barriers are.
+"""The phase table's shape (docs/design.md §6): numbers, names, who acts, where the barriers are.
 
 Data only, so `status`, `recover`, the benchmark and the driver share one table without
 importing rollout or train. The driver binds an action to each row.

@@ -1,4 +1,4 @@
-"""Waits between the jobs of a pipelined run (DESIGN §6): a rollout job and an update job on one
+"""Waits between the jobs of a pipelined run (docs/design.md §6): a rollout job and an update job on one
 log path meet only in rollouts/ and checkpoints/. Each wait watches the other job's master,
 so a dead update job is reported instead of waited for forever."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Atomic publication and validated reading of files on a shared filesystem (DESIGN §5 rules 1-3).
+"""Atomic publication and validated reading of files on a shared filesystem (docs/design.md §5 rules 1-3).
 
 Writers never expose a half-written file: they write a uniquely named temp file in the target's
 directory, fsync it, check `close`, and `os.replace` it over the target (never deleting the

@@ -1,9 +1,10 @@
-"""The phase runner: one loop executes a table of phases for one rank (STYLE item 2).
+"""The phase runner: one loop executes a table of phases for one rank, so adding
+a phase is adding a row to the table, not another copy of the wait logic (docs/design.md §6).
 
 Knows nothing of RL. Each row names who acts, the action, whether it ends in a barrier and how
 the master decides there. Progress is read back from this rank's own arrival files, so a
 restarted rank resumes at the first phase it has not arrived at, and phases it finished are not
-run again (DESIGN §5 rule 8). A failed action is a decision, not a hang (rule 9): the failing
+run again (docs/design.md §5 rule 8). A failed action is a decision, not a hang (rule 9): the failing
 rank reports the error at the next barrier and the master's GO says retry, abort or go on.
 """
 from __future__ import annotations

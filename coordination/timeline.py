@@ -1,4 +1,4 @@
-"""Phase start/end events of one rank, one JSON line each (DESIGN §4 `timeline/`).
+"""Phase start/end events of one rank, one JSON line each (docs/design.md §4 `timeline/`, §11.2).
 
 Each rank appends only to its own file (one writer per file); the file is opened, appended and
 closed per event, never held open. `report` draws these as a Gantt chart per rank."""

@@ -1,4 +1,4 @@
-"""The master merges every rank's chunks into all.parquet and stats.json (DESIGN §6 phases 3, 6).
+"""The master merges every rank's chunks into all.parquet and stats.json (docs/design.md §6 phases 3, 6).
 
 Only current work counts: each rank's DONE must be of the rank's current generation (a stale
 DONE means the rank has not finished since its restart), and only the (chunk, task) pairs DONE

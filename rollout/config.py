@@ -9,7 +9,7 @@ from coordination.config import ConfigError, non_negative, option, positive
 
 @dataclass
 class TasksConfig:
-    """Task files and the reward that scores them (DESIGN §7)."""
+    """Task files and the reward that scores them (docs/design.md §7)."""
 
     train_file: str = option("train.jsonl", "JSONL file of training tasks, relative to --data-path")
     eval_file: str = option("eval.jsonl", "JSONL file of eval tasks, relative to --data-path")
@@ -36,7 +36,7 @@ class TasksConfig:
 
 @dataclass
 class RolloutConfig:
-    """Sampling and the rollout worker (DESIGN §6 phases 1 and 5)."""
+    """Sampling and the rollout worker (docs/design.md §6 phases 1 and 5)."""
 
     group_size: int = option(8, "samples per task for training rollouts (the GRPO group)")
     max_new_tokens: int = option(8, "most tokens sampled per completion; a completion cut here has finish_reason 'length'")

@@ -1,4 +1,4 @@
-"""The inference engine interface (DESIGN §2).
+"""The inference engine interface (docs/design.md §2).
 
 An engine turns prompt token ids into sampled completions with per-token sampling logprobs.
 Two implementations share this interface: the in-process transformers engine (CPU runs, tests,

@@ -1,4 +1,4 @@
-"""Accuracy metrics of rollouts (DESIGN §6 phases 5-6) and a quick in-memory evaluation.
+"""Accuracy metrics of rollouts (docs/design.md §6 phases 5-6) and a quick in-memory evaluation.
 
 pass@k uses the unbiased estimator of Chen et al. (2021): for a task with n samples of which c
 are solved, pass@k = 1 - C(n-c, k) / C(n, k), averaged over tasks. With one greedy sample per

@@ -93,7 +93,7 @@ class VLLMConfig:
     retries: int = option(
         3, "retries of a request after a transient failure (connection error, timeout, HTTP 5xx), with backoff")
     cpu: bool = option(
-        False, "apply the vLLM-on-CPU recipe (FIELD-NOTES): 1 GiB KV cache, eager mode, one process "
+        False, "apply the vLLM-on-CPU recipe (docs/design.md §10.3): 1 GiB KV cache, eager mode, one process "
                "(uni executor), float32, offline, no usage stats, a private cache dir")
     max_lora_rank: int = option(
         0, "LoRA serving: 0 = off; else the largest adapter rank the server accepts, one of 1, 8, 16, 32, 64, "
@@ -145,7 +145,7 @@ class VLLMConfig:
 
 @dataclass
 class InferenceConfig:
-    """Which engine samples rollouts and what happens to it between iterations (DESIGN §6 phases 7, 12)."""
+    """Which engine samples rollouts and what happens to it between iterations (docs/design.md §6 phases 7, 12)."""
 
     engine: Literal["transformers", "vllm"] = option(
         "transformers", "'transformers' (in-process; CPU, tests, demo) or 'vllm' (server subprocess; GPU, or CPU "

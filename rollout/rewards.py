@@ -1,4 +1,4 @@
-"""Reward functions: parse the final answer out of a completion and verify it (DESIGN §7).
+"""Reward functions: parse the final answer out of a completion and verify it (docs/design.md §7).
 
 A reward function has the signature
 
@@ -14,7 +14,7 @@ finite number; 1.0 conventionally means solved (see `rollout.success_reward`).
 - "arithmetic": 1.0 iff the completion, stripped of surrounding whitespace, equals the answer
   (integers compare by value, so "+579" and "579" agree) AND finish_reason is "stop". Requiring
   EOS teaches the model to stop after the answer instead of rambling on to the token limit
-  (the recipe in FIELD-NOTES that makes GRPO on the tiny model learn).
+  (part of the recipe that makes GRPO on the tiny model learn, docs/design.md §10.4).
 - "math": the last `\\boxed{...}` in the completion, else its last number, compared with the
   task's answer (which may itself be `\\boxed{}` or GSM8K-style `... #### 42`) after LaTeX
   normalisation; numbers compare exactly as fractions (0.5 == 1/2 == \\frac{1}{2}). A boxed

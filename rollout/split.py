@@ -1,4 +1,4 @@
-"""Which tasks each rank rolls out (DESIGN §7 "Split").
+"""Which tasks each rank rolls out (docs/design.md §7 "Split").
 
 An iteration's tasks are a seeded sample of the pool, reproducible from (seed, iteration) on
 every node without talking. Ranks get contiguous slices of that sample whose sizes come from

@@ -1,4 +1,4 @@
-"""The trajectory schema and its only reader and writer (DESIGN §7).
+"""The trajectory schema and its only reader and writer (docs/design.md §11.3).
 
 Rollout chunks, the aggregated `all.parquet` of an iteration and the trainer's inputs all use
 this one schema. Files are Parquet (no pickle), published atomically.

@@ -1,4 +1,4 @@
-"""Tasks: JSONL task files and the built-in generators of verifiable task sets (DESIGN §7).
+"""Tasks: JSONL task files and the built-in generators of verifiable task sets (docs/design.md §7).
 
 A task file has one JSON object per line: `{"id": ..., "prompt": ..., "answer": ..., ...}`. A
 chat task may give `messages` (a list of {"role", "content"}) instead of, or beside, `prompt`;

@@ -1,5 +1,5 @@
 """The rollout worker: one rank's share of an iteration's tasks -> scored samples -> chunk files
--> DONE (DESIGN §6 phases 1 and 5).
+-> DONE (docs/design.md §6 phases 1 and 5).
 
 Resumable by construction. Chunks are immutable and named with the writer's generation, so a
 restarted (or fenced) process never overwrites anything. On start the worker reads every chunk

@@ -1,4 +1,4 @@
-"""Which samples an update trains on, and with what weight (DESIGN §7, phase 8).
+"""Which samples an update trains on, and with what weight (docs/design.md §7, phase 8).
 
 GRPO: a sample's advantage is its reward minus the mean reward of its group (the samples of one
 task in one iteration), optionally divided by the group's population std plus `std_eps`. A group

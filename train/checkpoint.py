@@ -1,4 +1,4 @@
-"""Checkpoint folders, their publication and retention (DESIGN §6 phase 11).
+"""Checkpoint folders, their publication and retention (docs/design.md §6 phase 11, §11.4).
 
 A checkpoint is a Hugging Face folder (weights, config, tokenizer, generation config) that vLLM
 and transformers load as they are, plus `optimizer/` (one safetensors + JSON pair per trainer

@@ -2,7 +2,7 @@
 memory and speed levers (FSDP2 options, activation checkpointing and offloading, optimizer
 offload, chunked LM head, LoRA, torch.compile, attention implementation).
 
-Defaults are the GRPO settings FIELD-NOTES measured to learn on the tiny model: AdamW lr 2e-4,
+Defaults are the GRPO settings we measured to learn on the tiny model (docs/design.md §10.4): AdamW lr 2e-4,
 ratio clip [0.8, 1.28], 4 optimizer steps per iteration, gradient clip 1, std-normalised
 advantages, zero-std groups dropped. The levers default to off except the chunked LM head, which
 gives the plain results (within 1e-5) in a fraction of the memory.

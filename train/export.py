@@ -45,7 +45,7 @@ def write_tokenizer(out: Path, tokenizer_source: Path) -> None:
 
 def write_hf_folder(policy: Policy, state_dict: dict[str, torch.Tensor], out: Path, tokenizer_source: Path) -> None:
     """Weights (safetensors), config, generation config and tokenizer: what vLLM serves as it is."""
-    # save_pretrained drops tied duplicates from the dict it gets: hand it a copy (FIELD-NOTES).
+    # save_pretrained drops tied duplicates from the dict it gets: hand it a copy (docs/design.md §10.4).
     policy.lm.save_pretrained(str(out), state_dict=dict(state_dict), safe_serialization=True)
     write_tokenizer(out, tokenizer_source)
 

@@ -1,4 +1,4 @@
-"""The torchrun command line and environment every node runs for phase 10 (FIELD-NOTES recipe).
+"""The torchrun command line and environment every node runs for phase 10 (docs/design.md §10.2).
 
 Rendezvous is c10d on the master's address: the master's agent hosts the store (`is_host=1`),
 the others join it (`is_host=0`). With c10d, ranks are assigned in arrival order, so

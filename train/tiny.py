@@ -3,7 +3,7 @@
 `python -m train.tiny --out DIR` writes a complete Hugging Face folder (config, safetensors
 weights, tokenizer, generation config) that transformers and vLLM on CPU load as they are.
 
-Choices and their reasons (../shared/FIELD-NOTES.md):
+Choices and their reasons (measured; docs/design.md §10.3 and §10.4):
 - Llama, not Qwen2: with a Qwen2 config AutoTokenizer forces Qwen2Tokenizer, whose byte-level
   pre-tokenizer drops spaces and newlines.
 - head_dim 32: vLLM's CPU attention needs head_dim >= 32.

