@@ -1,7 +1,11 @@
-"""`python -m coordination status|recover|stop --log-path L`: look at a run, clean up after
-crashes, ask it to stop. Starts fast: no torch, no transformers."""
+"""`python -m coordination status|recover|stop|report --log-path L`: look at a run, clean up
+after crashes, ask it to stop, draw it. Starts fast: no torch, no transformers.
+
+The operator wrappers (scripts/status.sh, recover.sh, stop.sh, report.sh) run one command each
+and set BATON_PROG to their own name, so usage lines and advice name the command the user typed."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -66,12 +70,31 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
     click.echo("done; restart the nodes with their original commands")
 
 
+def _finished_jobs(layout, run_id: str) -> dict[str, str] | None:
+    """{job: why it stopped} when every job of the run has stopped; None while any still runs."""
+    from coordination.layout import JOBS
+    from coordination.records import RecordError, try_read
+
+    stopped = {}
+    for job in JOBS:
+        jl = layout.job(job)
+        if not jl.job_json.exists():
+            continue
+        try:
+            prog = try_read(jl.progress_json, kind="progress", run_id=run_id)
+        except RecordError:
+            prog = None
+        if prog is None or not prog.data.get("stopped"):
+            return None
+        stopped[job] = f"stopped after iteration {prog.data['completed_iteration']}: {prog.data['stopped']}"
+    return stopped or None
+
+
 @main.command()
 @LOG_PATH
 @click.option("--cancel", is_flag=True, help="withdraw an earlier stop request")
 def stop(log_path: Path, cancel: bool) -> None:
     """Ask the run to stop after the current iteration; every node then exits 0."""
-    import os
     import socket
 
     from coordination.layout import RunLayout
@@ -82,13 +105,24 @@ def stop(log_path: Path, cancel: bool) -> None:
     if run is None:
         raise click.ClickException(f"no baton run in {log_path} (no readable run.json); check --log-path")
     if cancel:
+        if not layout.stop_file.exists():
+            click.echo(f"no stop request in {log_path}: nothing to withdraw")
+            return
         layout.stop_file.unlink(missing_ok=True)
-        click.echo(f"stop request withdrawn in {log_path}")
+        click.echo(f"stop request withdrawn in {log_path}: the run goes on")
+        return
+    finished = _finished_jobs(layout, run.run_id)
+    if finished is not None:
+        jobs = "; ".join(f"job {j} {why}" for j, why in finished.items())
+        click.echo(f"the run in {log_path} is already finished ({jobs}); nothing to stop")
+        return
+    if layout.stop_file.exists():
+        click.echo(f"a stop request is already in place in {log_path}: the run ends after its current iteration")
         return
     publish_record(layout.stop_file, "stop", {"by": f"{socket.gethostname()}:{os.getpid()}"},
                    run_id=run.run_id, generation=0)
     click.echo(f"stop requested: the run in {log_path} ends after its current iteration "
-               f"(withdraw with: python -m coordination stop --log-path {log_path} --cancel)")
+               f"(withdraw with: scripts/stop.sh --log-path {log_path} --cancel)")
 
 
 @main.command()
@@ -115,5 +149,13 @@ def report(log_path: Path, out: Path | None, as_json: bool, table: bool) -> None
     click.echo(f"report written to {res['out']}: {', '.join(Path(p).name for p in res['pngs'])} and summary.md")
 
 
+def entry() -> None:
+    prog, argv = os.environ.get("BATON_PROG"), sys.argv[1:]
+    if prog and argv and argv[0] in main.commands:
+        # A wrapper runs exactly this command: its usage line and --help name the wrapper.
+        main.commands[argv[0]].main(args=argv[1:], prog_name=prog)
+    main.main(args=argv, prog_name="python -m coordination")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

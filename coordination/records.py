@@ -253,7 +253,7 @@ class PatientReader:
             if self.clock() - since > self.broken_after:
                 raise BrokenRecord(
                     f"{exc} -- it has stayed unusable for more than {self.broken_after:.0f} s; inspect it, or "
-                    f"remove it with `python -m coordination recover` so it is written again") from None
+                    f"remove it with `scripts/recover.sh` so it is written again") from None
             return None
         self._broken_since.pop(path, None)
         return rec

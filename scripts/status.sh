@@ -2,4 +2,5 @@
 # Thin wrapper: python -m coordination status --log-path L [...] (see --help).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+export BATON_PROG="scripts/status.sh"
 exec "$python" -m coordination status "$@"

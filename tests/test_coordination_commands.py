@@ -140,3 +140,41 @@ def test_stop_command_writes_a_stop_request_and_cancel_withdraws_it(run_dir):
     assert read_record(lay.stop_file, run_id=RUN).kind == "stop"
     assert _cli("stop", "--log-path", str(run_dir), "--cancel").returncode == 0
     assert not lay.stop_file.exists()
+
+
+def _wrapper(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "scripts" / f"{name}.sh"), *args], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_stop_on_a_finished_run_says_so_and_writes_nothing(run_dir):
+    lay = _fixture_run(run_dir)
+    publish_record(lay.job("both").progress_json, "progress",
+                   {"completed_iteration": 13, "stopped": "run.max_iterations (12) reached"}, run_id=RUN, generation=1)
+    res = _wrapper("stop", "--log-path", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    assert ("is already finished (job both stopped after iteration 13: run.max_iterations (12) reached); "
+            "nothing to stop") in res.stdout
+    assert not lay.stop_file.exists()
+
+
+def test_stop_twice_and_cancel_without_a_request_say_what_they_found(run_dir):
+    lay = _fixture_run(run_dir)
+    res = _wrapper("stop", "--log-path", str(run_dir), "--cancel")
+    assert res.returncode == 0 and "no stop request" in res.stdout and "nothing to withdraw" in res.stdout
+    assert "withdraw with: scripts/stop.sh --log-path" in _wrapper("stop", "--log-path", str(run_dir)).stdout
+    first = lay.stop_file.read_bytes()
+    assert "already in place" in _wrapper("stop", "--log-path", str(run_dir)).stdout
+    assert lay.stop_file.read_bytes() == first
+    assert "withdrawn" in _wrapper("stop", "--log-path", str(run_dir), "--cancel").stdout
+    again = _wrapper("stop", "--log-path", str(run_dir), "--cancel")
+    assert "no stop request" in again.stdout and "withdrawn" not in again.stdout
+
+
+@pytest.mark.parametrize("name", ["status", "recover", "stop", "report"])
+def test_every_wrapper_names_itself_in_help_and_usage_errors_exit_2(name):
+    res = _wrapper(name, "--help")
+    assert res.returncode == 0 and f"Usage: scripts/{name}.sh [OPTIONS]" in res.stdout, res.stdout
+    assert "python -m coordination" not in res.stdout
+    bad = _wrapper(name, "--no-such-flag")
+    assert bad.returncode == 2 and f"scripts/{name}.sh" in bad.stderr and "No such option" in bad.stderr

@@ -88,7 +88,7 @@ def serving_weights(folder: Path) -> tuple[Path, Path | None]:
     except NotThereYet as exc:
         raise CheckpointError(f"{folder / TRAINER_STATE} is damaged ({exc}), and {folder} has no full weights "
                               f"(config.json): it cannot be served. Restore the checkpoint, or point LATEST at "
-                              f"an older one with `python -m coordination recover`") from None
+                              f"an older one with `scripts/recover.sh`") from None
     if not lora.get("base"):
         raise CheckpointError(f"{folder} has neither full weights (config.json) nor LoRA adapters with a base model "
                               f"(lora.base in {TRAINER_STATE}); it cannot be served")
@@ -118,7 +118,7 @@ def policy_for(layout: RunLayout, base_model: Path) -> tuple[int, Path]:
         raise CheckpointError(
             f"LATEST names iteration {iteration} but {folder} is missing or incomplete; it was removed or "
             f"damaged by hand. Restore it, or point LATEST at an older complete checkpoint with "
-            f"`python -m coordination recover`")
+            f"`scripts/recover.sh`")
     return iteration, folder
 
 

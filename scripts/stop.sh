@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Thin wrapper: python -m coordination stop --log-path L [...] (see --help).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+export BATON_PROG="scripts/stop.sh"
+exec "$python" -m coordination stop "$@"
