@@ -525,6 +525,16 @@ def _stop_requested(layout: RunLayout):
     return check
 
 
+def _say_iteration_done(iteration: int, go, seconds: float) -> None:
+    """One console line per finished iteration with the numbers people watch (from the GO of the
+    iteration's last barrier, so every node prints the same)."""
+    p = go.payload
+    shown = (("train_reward_mean", "train reward", ""),
+             ("eval_accuracy", "eval accuracy", f" (checkpoint {iteration - 1})"), ("loss", "loss", ""))
+    parts = [f"{label} {p[key]:.3f}{note}" for key, label, note in shown if isinstance(p.get(key), (int, float))]
+    log.info("iteration %d done in %.1f s%s", iteration, seconds, (": " + ", ".join(parts)) if parts else "")
+
+
 def run_node(args: RunArgs, cfg: RunConfig) -> int:
     """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
     logger = blog.setup(f"{args.job} rank{args.rank}")
@@ -560,7 +570,8 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
                     f"(the master's console shows the table)")
         runner = PhaseRunner(node, job.phases(), max_iterations=job.plan.last_iteration,
                              stop_requested=_stop_requested(layout),
-                             gc_keep_iterations=cfg.coordination.gc_keep_iterations, finished_reason=done)
+                             gc_keep_iterations=cfg.coordination.gc_keep_iterations, finished_reason=done,
+                             on_iteration_end=_say_iteration_done)
         outcome = runner.run()
         final_message = f"finished: {outcome.stopped}"
         logger.info("%s (%d iterations run by this process)", final_message, outcome.iterations_run)

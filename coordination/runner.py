@@ -89,7 +89,8 @@ class Outcome:
 class PhaseRunner:
     def __init__(self, node: Node, phases: list[Phase], *, max_iterations: int,
                  stop_requested: Callable[[], str | None] = lambda: None, gc_keep_iterations: int = 3,
-                 finished_reason: str | None = None):
+                 finished_reason: str | None = None,
+                 on_iteration_end: Callable[[int, Go, float], None] | None = None):
         if not phases:
             raise ValueError("a job needs at least one phase")
         self.node = node
@@ -98,6 +99,7 @@ class PhaseRunner:
         self.stop_requested = stop_requested
         self.gc_keep = gc_keep_iterations
         self.finished_reason = finished_reason or f"max_iterations ({max_iterations}) reached"
+        self.on_iteration_end = on_iteration_end  # (iteration, final GO, seconds this process spent on it)
         if not any(p.spec.barrier for p in phases):
             raise ValueError("a job's phase table must contain at least one barrier")
         self.final = -1  # the last barrier enabled in the current iteration
@@ -127,8 +129,11 @@ class PhaseRunner:
         while True:
             if it > self.max_iterations:
                 return Outcome(ran, self.finished_reason)
+            started = self.node.clock.monotonic()
             go = self.run_iteration(it)
             ran += 1
+            if self.on_iteration_end is not None and go.decision in ("continue", "stop"):
+                self.on_iteration_end(it, go, self.node.clock.monotonic() - started)
             if go.decision == "stop":
                 return Outcome(ran, go.reason)
             it += 1

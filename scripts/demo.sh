@@ -12,7 +12,8 @@ ensure_project_venv
 
 work="${BATON_DEMO_DIR:-$PWD/demo-run}"
 py="$PWD/.venv/bin/python"
-export PYTHONPATH="$PWD" OMP_NUM_THREADS=1
+# PYTHONUNBUFFERED: progress lines reach the screen as they happen, also through a pipe.
+export PYTHONPATH="$PWD" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 rm -rf "$work"            # the demo's own folder: every demo starts from scratch
 mkdir -p "$work"
 echo "== demo folder: $work"
@@ -26,7 +27,7 @@ echo "== 2/4 a tiny character-level Llama"
 echo "== 3/4 SFT warm start until greedy eval accuracy reaches 25% (leaves headroom for RL)"
 OMP_NUM_THREADS=2 "$py" -m train.sft --model "$work/tiny" --data "$work/data/train.jsonl" --out "$work/sft" \
   --eval-data "$work/data/eval.jsonl" --target-accuracy 0.25 --eval-every 25 --steps 1500 2>&1 \
-  | tee "$work/sft.log" | grep -E "accuracy|wrote|step +[0-9]*00 " || true
+  | tee "$work/sft.log" | grep --line-buffered -E "accuracy|wrote|step +[0-9]*00 " || true
 [ -f "$work/sft/config.json" ] || { echo "SFT did not write $work/sft; see $work/sft.log" >&2; exit 1; }
 
 echo "== 4/4 RL on two nodes of this machine (logs: $work/node-0.log, $work/node-1.log)"
@@ -37,10 +38,15 @@ setsid scripts/run.sh "${common[@]}" --master >"$work/node-0.log" 2>&1 &
 master=$!
 setsid scripts/run.sh "${common[@]}" --worker 1 >"$work/node-1.log" 2>&1 &
 worker=$!
-trap 'kill -TERM -- -$master -$worker 2>/dev/null || true' INT TERM EXIT
+# One line per finished iteration while the nodes run, from the master's console.
+tail -n +1 -F --pid="$master" "$work/node-0.log" 2>/dev/null \
+  | grep --line-buffered -E "iteration [0-9]+ done in" | sed -u 's/.*baton\.driver: /   /' &
+follower=$!
+trap 'kill -TERM -- -$master -$worker 2>/dev/null || true; kill $follower 2>/dev/null || true' INT TERM EXIT
 rc=0
 wait "$master" || rc=$?
 wait "$worker" || rc=$((rc ? rc : $?))
+wait "$follower" 2>/dev/null || true
 trap - INT TERM EXIT
 if [ "$rc" != 0 ]; then
   echo "a node failed (exit $rc); last lines:" >&2

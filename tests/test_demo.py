@@ -22,4 +22,7 @@ def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(tmp_path):
     start, end = float(m.group(1)), float(m.group(2))
     assert end - start >= 0.10, f"RL gained only {100 * (end - start):.1f} points ({start:.3f} -> {end:.3f})"
     assert (tmp_path / "run" / "report" / "learning.png").exists()
+    # one line per finished iteration while it runs, before the final table
+    done = [m.start() for m in re.finditer(r"iteration \d+ done in [0-9.]+ s: train reward", out)]
+    assert len(done) >= int(m.group(3)) and done[-1] < out.index("per iteration"), out[-3000:]
     assert "logs:" in out and "metrics:" in out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -61,7 +62,12 @@ def test_one_node_runs_two_iterations_with_eval_and_publishes_checkpoints(procs,
         assert _rows(lay, it).num_rows == 24 * 4
     final = _metrics(lay, 3)  # the final evaluation measures checkpoint 2
     assert final["eval_accuracy"] is not None and "loss" not in final
-    assert "finished" in procs.log("n0")
+    console = procs.log("n0")
+    assert "finished" in console
+    for it in (1, 2):   # one line per finished iteration on the node's console
+        assert re.search(rf"iteration {it} done in [0-9.]+ s: train reward [0-9.]+, eval accuracy [0-9.]+ "
+                         rf"\(checkpoint {it - 1}\), loss", console), console[-3000:]
+    assert re.search(r"iteration 3 done in [0-9.]+ s: eval accuracy [0-9.]+ \(checkpoint 2\)", console)
 
 
 def _max_logprob_gap(table, base: Path, adapter: Path | None, temperature: float, rows: int = 24) -> float:

@@ -199,3 +199,17 @@ def test_dry_run_on_an_interrupted_run_says_where_this_rank_stands(tmp_path):
     assert "job both is at iteration 6; rank 1 last reported iteration 6, phase 10 train" in out
     assert "this command's config matches the recorded run" in out and "next iteration: 6" in out
     assert _listing(log) == before
+
+
+def test_each_finished_iteration_is_one_console_line_with_reward_accuracy_and_seconds(caplog):
+    import logging
+
+    from coordination.barrier import Go
+    from coordination.driver import _say_iteration_done
+
+    go = Go("continue", "", {"train_reward_mean": 0.5, "eval_accuracy": 0.375, "loss": None}, 1)
+    with caplog.at_level(logging.INFO, logger="baton.driver"):
+        _say_iteration_done(4, go, 12.34)
+        _say_iteration_done(5, Go("stop", "done", {}, 1), 1.0)
+    assert caplog.messages == ["iteration 4 done in 12.3 s: train reward 0.500, eval accuracy 0.375 (checkpoint 3)",
+                               "iteration 5 done in 1.0 s"]
