@@ -25,8 +25,10 @@ def main() -> None:
 @click.option("--watch", is_flag=True, help="refresh in place until Ctrl-C")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.option("--interval", default=2.0, show_default=True, help="seconds between refreshes with --watch")
-@click.option("--peer-timeout", default=120.0, show_default=True, help="heartbeat age after which a rank shows as lost")
-def status(log_path: Path, watch: bool, as_json: bool, interval: float, peer_timeout: float) -> None:
+@click.option("--peer-timeout", type=float, default=None,
+              help="seconds a heartbeat counter must stand still, on this machine's clock, before a rank shows as "
+                   "lost (default: the run's coordination.peer_timeout)")
+def status(log_path: Path, watch: bool, as_json: bool, interval: float, peer_timeout: float | None) -> None:
     """Every rank's host, phase, heartbeat and message, and what the run waits for. Read-only."""
     from coordination.status import print_status
 
@@ -43,13 +45,24 @@ def status(log_path: Path, watch: bool, as_json: bool, interval: float, peer_tim
 @click.option("--apply", "do_apply", is_flag=True, help="remove what is listed (default: only list it)")
 @click.option("--reset-phase", metavar="ITER:PHASE", default=None,
               help="make that phase (and the later phases of that iteration) run again after a restart")
-@click.option("--peer-timeout", default=120.0, show_default=True, help="heartbeat age after which a rank counts as dead")
-def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeout: float) -> None:
-    """List (and with --apply remove) what crashed nodes left behind. Never removes completed outputs."""
-    from coordination.recover import RecoverRefused, apply, plan
+@click.option("--peer-timeout", type=float, default=None,
+              help="seconds a heartbeat counter must stand still, watched on this machine's clock, before its rank "
+                   "counts as dead (default: the run's coordination.peer_timeout)")
+def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeout: float | None) -> None:
+    """List (and with --apply remove) what crashed nodes left behind. Never removes completed outputs.
 
+    Ranks are judged by watching their heartbeat counters (up to peer_timeout); --apply refuses
+    while any of them moves."""
+    from coordination.recover import BadResetSpec, RecoverRefused, apply, parse_reset_spec, plan
+
+    if reset_phase is not None:
+        try:
+            parse_reset_spec(reset_phase)  # a typo is a usage error, found before anything is read
+        except BadResetSpec as exc:
+            raise click.BadParameter(str(exc), param_hint="--reset-phase") from None
     try:
-        items, rollback, snap = plan(log_path, reset_phase, peer_timeout)
+        items, rollback, snap = plan(log_path, reset_phase, peer_timeout, for_apply=do_apply,
+                                     progress=lambda line: click.echo(line, err=True))
     except (RecoverRefused, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     if not items:

@@ -48,6 +48,16 @@ def barrier_name(phase: int, name: str, attempt: int = 1) -> str:
     return base if attempt == 1 else f"{base}.a{attempt}"
 
 
+_BARRIER_RE = re.compile(r"^(\d{2})-([a-z][a-z0-9-]*?)(?:\.a([1-9]\d*))?$")
+
+
+def barrier_identity(name: str) -> tuple[int, str, int] | None:
+    """`10-train.a2` -> (10, "train", 2): the inverse of `barrier_name`; None for any other name
+    (a folder baton did not create, which nothing may read as a barrier or delete)."""
+    m = _BARRIER_RE.match(name)
+    return (int(m.group(1)), m.group(2), int(m.group(3) or 1)) if m else None
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Paths of one run directory (the shared `--log-path`)."""

@@ -11,7 +11,9 @@ It never removes completed outputs (published checkpoints, aggregated rollouts, 
 manifests, metrics). `--reset-phase ITER:PHASE` removes that phase's barrier folders and those
 of the later phases of that iteration, so the phase runs again when the nodes restart — the safe
 form of the reference pipeline's "delete the flag files" habit. It refuses to change anything
-while a node of the run looks alive.
+while a node of the run looks alive, judged as the nodes judge each other (docs/design.md §5
+rule 6): it watches the heartbeat counters on this machine's monotonic clock for up to
+peer_timeout, and never trusts the wall time a heartbeat carries (clocks differ between nodes).
 """
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from coordination.layout import JOBS, RunLayout, iteration_number
-from coordination.phases import BY_NUMBER
+from coordination.clock import Clock
+from coordination.heartbeat import KIND as HEARTBEAT_KIND
+from coordination.layout import JOBS, RunLayout, barrier_identity, iteration_number
+from coordination.phases import BY_NUMBER, PHASES
 from coordination.records import RecordError, is_temp_name, publish_record, try_read
-from coordination.status import StatusReader
+from coordination.status import GONE, StatusReader
 
 
 class RecoverRefused(RuntimeError):
@@ -71,14 +76,30 @@ def _staging(layout: RunLayout) -> list[Item]:
     return [Item(p, "checkpoint staging folder of an unfinished training attempt") for p in sorted(d.iterdir())]
 
 
-def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, int]]:
+class BadResetSpec(RecoverRefused):
+    """--reset-phase was given a value that is not ITER:PHASE (a usage error: exit 2)."""
+
+
+RESET_FORMS = ("ITER:PHASE with ITER an iteration number (1, 2, ...) and PHASE a phase number or name, "
+               "for example 3:10 or 3:train; phases: " + ", ".join(f"{p.number} {p.name}" for p in PHASES))
+
+
+def parse_reset_spec(spec: str) -> tuple[int, int]:
+    """`3:10` or `3:train` -> (3, 10); BadResetSpec naming the valid forms otherwise."""
+    it_s, sep, ph_s = spec.strip().partition(":")
+    by_name = {p.name: p.number for p in PHASES}
     try:
-        it_s, ph_s = spec.split(":")
-        iteration, phase = int(it_s), int(ph_s)
+        iteration = int(it_s)
+        phase = by_name[ph_s.strip()] if ph_s.strip() in by_name else int(ph_s)
     except ValueError:
-        raise RecoverRefused(f"--reset-phase {spec!r} must be ITER:PHASE, for example 3:10") from None
-    if phase not in BY_NUMBER:
-        raise RecoverRefused(f"--reset-phase {spec}: there is no phase {phase} (phases are 0-13)")
+        raise BadResetSpec(f"--reset-phase {spec!r} is not valid; use {RESET_FORMS}") from None
+    if not sep or iteration < 1 or phase not in BY_NUMBER:
+        raise BadResetSpec(f"--reset-phase {spec!r} is not valid; use {RESET_FORMS}")
+    return iteration, phase
+
+
+def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, int]]:
+    iteration, phase = parse_reset_spec(spec)
     items, rollback = [], {}
     for job in JOBS:
         sync = layout.job(job).sync_iter_dir(iteration)
@@ -90,7 +111,10 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
                 f"--reset-phase {spec}: job {job} already ran iteration {max(later)}; resetting an older iteration "
                 f"would leave later ones decided on its old outputs. Reset the latest iteration, or start a new run.")
         for d in sorted(sync.iterdir()):
-            num = int(d.name.split("-", 1)[0])
+            ident = barrier_identity(d.name)
+            if ident is None:
+                continue  # not a barrier folder baton made: never ours to delete
+            num = ident[0]
             if num >= phase:
                 items.append(Item(d, f"flag folder of phase {num} of iteration {iteration} (job {job})"))
                 rollback[job] = iteration - 1
@@ -100,10 +124,38 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
     return items, rollback
 
 
-def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float = 120.0,
-         temp_min_age: float = 60.0) -> tuple[list[Item], dict[str, int], dict]:
+def _describe(r: dict, job: str) -> str:
+    return f"rank {r['rank']} of job {job} (host {r['host']}, pid {r['pid']})"
+
+
+def watch_ranks(layout: RunLayout, peer_timeout: float | None = None, *, for_apply: bool = False,
+                clock: Clock | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """A status snapshot in which every rank is judged on this machine's clock (docs/design.md
+    §5 rule 6): its heartbeat counter moved (alive), its last heartbeat said it ended (exited,
+    failed, stopped: at once), or it stood still for peer_timeout (lost). Bounded by peer_timeout;
+    for --apply the watch ends as soon as one rank is seen alive (the apply is refused anyway)."""
+    reader = StatusReader(layout, peer_timeout, clock)
+
+    def note(snap: dict, elapsed: float) -> None:
+        if progress is not None:
+            still = [_describe(r, j["job"]) for j in snap["jobs"] for r in j["ranks"] if r["state"] == "not moving"]
+            progress(f"recover: watching heartbeats for {elapsed:.0f} of up to {reader.peer_timeout:.0f} s "
+                     f"(peer_timeout) before calling a rank dead; not moving yet: {'; '.join(still)}")
+
+    if progress is not None:
+        progress(f"recover: watching heartbeat counters on this machine's clock (up to {reader.peer_timeout:.0f} s, "
+                 f"the run's peer_timeout; --peer-timeout changes it)")
+    alive = (lambda snap: any(r["state"] == "alive" for j in snap["jobs"] for r in j["ranks"])) if for_apply else None
+    return reader.watch(reader.peer_timeout, until=alive, progress=note)
+
+
+def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float | None = None,
+         temp_min_age: float = 60.0, *, for_apply: bool = False, clock: Clock | None = None,
+         progress: Callable[[str], None] | None = None) -> tuple[list[Item], dict[str, int], dict]:
     layout = RunLayout(log_path)
-    snap = StatusReader(layout, peer_timeout).snapshot()
+    if reset_phase:
+        parse_reset_spec(reset_phase)  # a typo is reported before the watch
+    snap = watch_ranks(layout, peer_timeout, for_apply=for_apply, clock=clock, progress=progress)
     items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout)
     rollback: dict[str, int] = {}
     if reset_phase:
@@ -112,11 +164,30 @@ def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float = 1
     return items, rollback, snap
 
 
-def apply(log_path: Path, items: list[Item], rollback: dict[str, int], snap: dict) -> None:
-    live = [f"rank {r['rank']} of job {j['job']} (host {r['host']}, pid {r['pid']})"
-            for j in snap["jobs"] for r in j["ranks"] if r["state"] == "alive"]
+def _check_nothing_runs(layout: RunLayout, snap: dict) -> None:
+    """Refuse while a rank may be running: seen alive, not yet judged, or its heartbeat changed
+    since the watch ended (a node started meanwhile)."""
+    live = [_describe(r, j["job"]) + f": {r['state']}" for j in snap["jobs"] for r in j["ranks"]
+            if r["state"] not in GONE]
     if live:
-        raise RecoverRefused("these nodes look alive, stop them before recovering: " + "; ".join(live))
+        raise RecoverRefused("these nodes look alive (their heartbeat counters moved, or did not stand still for "
+                             "peer_timeout), stop them before recovering: " + "; ".join(live))
+    run_id = snap.get("run_id")
+    for j in snap["jobs"]:
+        jl = layout.job(j["job"])
+        for r in j["ranks"]:
+            try:
+                rec = try_read(jl.heartbeat(r["rank"]), kind=HEARTBEAT_KIND, run_id=run_id)
+            except RecordError:
+                rec = None
+            now = [rec.data.get("nonce"), rec.data.get("counter"), rec.generation] if rec else None
+            if now is not None and now != r.get("beat"):
+                raise RecoverRefused(f"{_describe(r, j['job'])} wrote a heartbeat while recover watched; "
+                                     f"a node is running: stop it, then run recover again")
+
+
+def apply(log_path: Path, items: list[Item], rollback: dict[str, int], snap: dict) -> None:
+    _check_nothing_runs(RunLayout(log_path), snap)
     layout = RunLayout(log_path)
     for it in items:
         if it.path.is_dir() and not it.path.is_symlink():

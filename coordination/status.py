@@ -1,8 +1,12 @@
 """`python -m coordination status --log-path L [--watch] [--json]`: what the cluster is doing.
 
-Read-only: it never writes to the log path. One snapshot judges a heartbeat by its age on the
-writer's clock (approximate: node clocks may differ); `--watch` judges liveness exactly as the
-nodes do, by seeing heartbeat counters change on this machine's monotonic clock.
+Read-only: it never writes to the log path. Liveness is judged as the nodes judge it (docs/design.md
+§5 rule 6): by seeing heartbeat counters change on *this* machine's monotonic clock, never by the
+wall time a heartbeat carries (node clocks may differ by minutes). So a single look cannot tell
+a live rank from a dead one: one-shot `status` watches for up to two heartbeat intervals and says
+which counters moved meanwhile; a rank is called lost only after its counter stood still for
+`peer_timeout` of this observer's time (`--watch`, `recover`). A rank whose last heartbeat says
+it exited, failed or stopped is reported so at once.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordination.clock import Clock
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
 from coordination.layout import JOBS, RunLayout, iteration_number
 from coordination.phases import phase_name
@@ -28,10 +33,33 @@ class RankRow:
     iteration: int | None
     phase: int | None
     phase_name: str
-    heartbeat_age_s: float | None   # seconds since the counter last moved, as this observer judges it
-    state: str                      # alive | lost | exited | failed | stopped | never-joined
+    heartbeat_age_s: float | None   # seconds since the counter last moved (or since watching began), this clock
+    state: str                      # alive | not moving | lost | exited | failed | stopped | never-joined
     message: str
     waiting_for: list[int] = field(default_factory=list)
+    watched_s: float = 0.0          # how long this observer has watched the rank's heartbeat
+    beat: list | None = None        # [nonce, counter, generation] last read: recover re-checks it before deleting
+
+
+# States a rank cannot be in while it still runs; anything else may be a live process.
+GONE = ("lost", "exited", "failed", "stopped", "never-joined")
+FINAL = ("exited", "failed", "stopped")  # the rank's own last heartbeat said so: no need to wait
+
+
+def run_timings(layout: RunLayout) -> tuple[float, float]:
+    """(heartbeat_interval, peer_timeout) of the run in `layout`, from its config.yaml; the
+    defaults of coordination.* when it cannot be read."""
+    from coordination.config import CoordinationConfig
+    from coordination.manifest import read_config_yaml
+
+    interval, timeout = CoordinationConfig.heartbeat_interval, CoordinationConfig.peer_timeout
+    try:
+        coord = (read_config_yaml(layout) or {}).get("coordination") or {}
+        interval = float(coord.get("heartbeat_interval", interval))
+        timeout = float(coord.get("peer_timeout", timeout))
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass  # an unreadable config.yaml: the defaults are the documented values
+    return interval, timeout
 
 
 @dataclass
@@ -68,11 +96,37 @@ def _latest_metrics(layout: RunLayout) -> dict[str, Any] | None:
 class StatusReader:
     """Builds status snapshots; keeps a LivenessTracker between snapshots for `--watch`."""
 
-    def __init__(self, layout: RunLayout, peer_timeout: float = 120.0):
+    def __init__(self, layout: RunLayout, peer_timeout: float | None = None, clock: Clock | None = None,
+                 heartbeat_interval: float | None = None):
         self.layout = layout
-        self.peer_timeout = peer_timeout
-        self.tracker = LivenessTracker(peer_timeout)
+        interval, timeout = run_timings(layout)
+        self.peer_timeout = peer_timeout if peer_timeout is not None else timeout
+        self.heartbeat_interval = heartbeat_interval if heartbeat_interval is not None else interval
+        self.clock = clock or Clock()
+        self.tracker = LivenessTracker(self.peer_timeout, self.clock)
         self.snapshots = 0
+
+    def watch(self, seconds: float, *, until=None, progress=None, progress_every: float = 10.0,
+              poll: float | None = None) -> dict[str, Any]:
+        """Snapshots for up to `seconds` of this observer's clock, until every rank is judged
+        (moving, exited, or still for `peer_timeout`) or `until(snapshot)` says enough; the last
+        snapshot is returned. `progress(snapshot, elapsed)` is called every `progress_every` s."""
+        poll = poll if poll is not None else max(0.05, min(0.5, self.heartbeat_interval / 4))
+        start = self.clock.monotonic()
+        # One poll past the bound, so a rank still at `seconds` is seen past peer_timeout.
+        end = start + seconds + poll
+        next_note = start + progress_every
+        while True:
+            snap = self.snapshot()
+            now = self.clock.monotonic()
+            snap["watched_s"] = round(now - start, 1)
+            undecided = [r for j in snap["jobs"] for r in j["ranks"] if r["state"] == "not moving"]
+            if not undecided or now >= end or (until is not None and until(snap)):
+                return snap
+            if progress is not None and now >= next_note:
+                progress(snap, now - start)
+                next_note = now + progress_every
+            self.clock.sleep(min(poll, end - now))
 
     def snapshot(self) -> dict[str, Any]:
         run = _read(self.layout.run_json, "run", None)
@@ -92,6 +146,7 @@ class StatusReader:
                                   int(prog.data["completed_iteration"]) if prog else 0,
                                   prog.data.get("stopped") if prog else None, rows, self._waiting(rows)))
         return {"log_path": str(self.layout.root), "run_id": run_id, "jobs": [asdict(j) for j in jobs],
+                "peer_timeout": self.peer_timeout,
                 "latest_metrics": _latest_metrics(self.layout),
                 "stop_requested": self.layout.stop_file.exists()}
 
@@ -99,25 +154,32 @@ class StatusReader:
         gens = jl.claim_generations(rank)
         claim = _read(jl.claim(rank, gens[-1]), "claim", None) if gens else None
         hb = _read(jl.heartbeat(rank), HEARTBEAT_KIND, run_id)
-        if hb is not None and gens and hb.generation < gens[-1]:
-            hb = None  # written by a superseded generation
-        if hb is None:
-            state = "never-joined" if not gens else "lost"
+        if not gens and hb is None:
+            return RankRow(job, rank, None, None, None, None, None, "-", None, "never-joined", "no heartbeat")
+        # A superseded generation's heartbeat is no sign of life of the rank (min_generation).
+        view = self.tracker.observe(rank + 1000 * JOBS.index(job), hb, min_generation=gens[-1] if gens else 0)
+        watched = view.silent_for + (view.last_change - view.first_seen)
+        rec = view.record if view.record is not None and (not gens or view.record.generation >= gens[-1]) else None
+        if rec is None:
+            state = "lost" if view.lost else "not moving"
             return RankRow(job, rank, claim.data.get("host") if claim else None,
                            claim.data.get("pid") if claim else None, gens[-1] if gens else None,
-                           None, None, "-", None, state, "no heartbeat")
-        d = hb.data
-        view = self.tracker.observe(rank + 1000 * JOBS.index(job), hb)
-        if self.snapshots > 1 and view.last_change > view.first_seen:
-            age = view.silent_for  # exact: seen moving on this machine's clock
-        else:
-            age = max(0.0, time.time() - float(d.get("wall", 0.0)))  # approximate: writer's clock
+                           None, None, "-", round(view.silent_for, 1), state, "no heartbeat",
+                           watched_s=round(watched, 1))
+        d = rec.data
         state = d.get("state", "running")
-        if state == "running":
-            state = "lost" if age > self.peer_timeout else "alive"
-        return RankRow(job, rank, d.get("host"), d.get("pid"), hb.generation, d.get("iteration"), d.get("phase"),
-                       d.get("phase_name") or phase_name(d.get("phase")), round(age, 1), state,
-                       d.get("message") or "", list(d.get("waiting_for") or []))
+        if state not in FINAL:
+            # Never the writer's wall time: only a change seen on this clock shows life.
+            if view.lost:
+                state = "lost"
+            elif view.last_change > view.first_seen:
+                state = "alive"
+            else:
+                state = "not moving"
+        return RankRow(job, rank, d.get("host"), d.get("pid"), rec.generation, d.get("iteration"), d.get("phase"),
+                       d.get("phase_name") or phase_name(d.get("phase")), round(view.silent_for, 1), state,
+                       d.get("message") or "", list(d.get("waiting_for") or []), round(watched, 1),
+                       [d.get("nonce"), d.get("counter"), rec.generation])
 
     @staticmethod
     def _waiting(rows: list[RankRow]) -> str:
@@ -154,8 +216,12 @@ def render(snap: dict[str, Any]):
         parts.append(Text("last metrics: " + ", ".join(bits)))
     if snap.get("stop_requested"):
         parts.append(Text("a stop was requested: the run ends after the current iteration", style="yellow"))
+    if snap.get("watched_s") is not None:
+        parts.append(Text(f"heartbeats watched for {snap['watched_s']:.1f} s on this machine's clock: alive = counter "
+                          f"moved meanwhile, not moving = no change yet (lost only after peer_timeout "
+                          f"{snap.get('peer_timeout', 0):.0f} s without one)"))
     colors = {"alive": "green", "lost": "red", "failed": "red", "exited": "cyan", "stopped": "cyan",
-              "never-joined": "yellow"}
+              "never-joined": "yellow", "not moving": "yellow"}
     for job in snap["jobs"]:
         t = Table(title=f"job {job['job']}: {job['num_nodes']} nodes, {job['completed_iteration']} iterations done"
                         + (f", stopped ({job['stopped']})" if job["stopped"] else ""), title_justify="left")
@@ -163,7 +229,12 @@ def render(snap: dict[str, Any]):
             t.add_column(col, no_wrap=True)
         t.add_column("message", no_wrap=True, overflow="ellipsis", max_width=70)
         for r in job["ranks"]:
-            age = "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago"
+            if r["heartbeat_age_s"] is None:
+                age = "-"
+            elif r["state"] == "alive":
+                age = f"moved {r['heartbeat_age_s']:.0f} s ago"
+            else:
+                age = f"still for {r['heartbeat_age_s']:.0f} s"
             phase = "-" if r["phase"] is None else f"{r['phase']} {r['phase_name']}"
             t.add_row(str(r["rank"]), r["host"] or "-", str(r["pid"] or "-"), str(r["generation"] or "-"),
                       str(r["iteration"] or "-"), phase, age,
@@ -173,21 +244,41 @@ def render(snap: dict[str, Any]):
     return Group(*parts)
 
 
+def one_shot_watch(reader: StatusReader) -> float:
+    """How long a one-shot `status` watches: two heartbeat intervals (every live rank writes at
+    least once meanwhile), never longer than peer_timeout."""
+    return min(2 * reader.heartbeat_interval + 0.5, reader.peer_timeout)
+
+
 def print_status(log_path: Path, *, as_json: bool, watch: bool, interval: float = 2.0,
-                 peer_timeout: float = 120.0) -> None:
+                 peer_timeout: float | None = None) -> None:
+    import sys
+
     from rich.console import Console
 
     reader = StatusReader(RunLayout(log_path), peer_timeout)
     console = Console()
-    if as_json:
-        print(json.dumps(reader.snapshot(), indent=1, default=str))
-        return
-    if not watch:
-        console.print(render(reader.snapshot()))
+    if not watch or as_json:
+        seconds = one_shot_watch(reader)
+        reader.snapshot()  # a missing run fails here, before the wait
+        print(f"watching heartbeats for up to {seconds:.1f} s (2 x heartbeat_interval) to see which ranks are alive...",
+              file=sys.stderr, flush=True)
+        snap = reader.watch(seconds)
+        if as_json:
+            print(json.dumps(snap, indent=1, default=str))
+        else:
+            console.print(render(snap))
         return
     from rich.live import Live
 
-    with Live(render(reader.snapshot()), console=console, refresh_per_second=4) as live:
+    start = reader.clock.monotonic()
+
+    def snap() -> dict[str, Any]:
+        out = reader.snapshot()
+        out["watched_s"] = round(reader.clock.monotonic() - start, 1)
+        return out
+
+    with Live(render(snap()), console=console, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
-            live.update(render(reader.snapshot()))
+            live.update(render(snap()))

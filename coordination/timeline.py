@@ -5,11 +5,14 @@ closed per event, never held open. `report` draws these as a Gantt chart per ran
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 from coordination.records import FILE_MODE, ensure_dir
+
+log = logging.getLogger("baton.timeline")
 
 
 def append(path: Path, event: dict[str, Any]) -> None:
@@ -23,15 +26,22 @@ def append(path: Path, event: dict[str, Any]) -> None:
 
 
 def read(path: Path) -> Iterator[dict[str, Any]]:
-    """Events of one timeline file; a torn last line (writer killed mid-write) is skipped."""
+    """Events of one timeline file. A line that is not a JSON object (a torn last line of a writer
+    killed mid-write, or bytes that are not UTF-8) is skipped with a warning naming file and line:
+    a report draws what it can instead of failing on one damaged line."""
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         return
-    for line in text.splitlines():
-        if not line.strip():
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
             continue
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
+            event = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            log.warning("%s:%d: skipped a damaged timeline line (%s)", path, lineno, type(exc).__name__)
             continue
+        if isinstance(event, dict):
+            yield event
+        else:
+            log.warning("%s:%d: skipped a timeline line that is not an event object", path, lineno)

@@ -107,19 +107,24 @@ def iter_tasks(path: Path) -> Iterator[tuple[int, Task]]:
     """(line number, task) for every non-blank line of a JSONL file."""
     path = Path(path)
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, "rb")  # bytes: each line is decoded below, so a bad byte is reported with its line
     except FileNotFoundError:
         raise TaskFileError(f"task file {path} does not exist; check --data-path and tasks.train_file/eval_file") from None
+    except IsADirectoryError:
+        raise TaskFileError(f"task file {path} is a folder; give a JSONL file (one task per line)") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TaskFileError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start:exc.start + 1]!r} at "
+                                    f"column {exc.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TaskFileError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            except UnicodeDecodeError as exc:
-                raise TaskFileError(f"{path}:{lineno}: not UTF-8 text ({exc.reason})") from None
             try:
                 yield lineno, parse_task(obj)
             except ValueError as exc:

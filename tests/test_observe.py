@@ -213,3 +213,15 @@ def test_each_finished_iteration_is_one_console_line_with_reward_accuracy_and_se
         _say_iteration_done(5, Go("stop", "done", {}, 1), 1.0)
     assert caplog.messages == ["iteration 4 done in 12.3 s: train reward 0.500, eval accuracy 0.375 (checkpoint 3)",
                                "iteration 5 done in 1.0 s"]
+
+
+def test_report_skips_a_non_utf8_timeline_line_and_draws_the_rest(tmp_path, caplog):
+    lay = _fixture_metrics(tmp_path / "run")
+    tl = lay.job("both").timeline(1)
+    with open(tl, "ab") as fh:
+        fh.write(b'{"job": "both", "event": "\xff\xfe broken"}\n')
+    events = list(timeline.read(tl))
+    assert len(events) == 12 and all(isinstance(e, dict) for e in events)
+    assert f"{tl}:13: skipped a damaged timeline line" in caplog.text
+    res = make_report(lay.root, tmp_path / "out")
+    assert any(Path(p).name == "timeline.png" for p in res["pngs"])

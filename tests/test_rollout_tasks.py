@@ -116,3 +116,12 @@ def test_task_round_trips_through_json():
     t = Task(id="x", prompt="p", answer="1", messages=({"role": "user", "content": "hi"},), extra={"k": [1]})
     assert json.loads(json.dumps(t.to_json())) == {"id": "x", "prompt": "p", "answer": "1",
                                                    "messages": [{"role": "user", "content": "hi"}], "k": [1]}
+
+
+def test_non_utf8_bytes_are_reported_with_file_and_line_not_a_bare_decode_error(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"id": "a", "prompt": "1+1=", "answer": "2"}).encode()
+    path.write_bytes(good + b"\n" + b'{"id": "b", "prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(TaskFileError) as err:
+        load_tasks(path)
+    assert str(err.value).startswith(f"{path}:2: not UTF-8 text") and "UTF-8" in str(err.value)
