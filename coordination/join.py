@@ -1,7 +1,7 @@
 """Joining a job: the sequence every rank goes through before its first phase.
 
-master: create or resume the run (run.json, config.yaml), create job.json, claim rank 0,
-        publish master.json.
+master: create or join the run (run.json, config.yaml), create job.json, claim rank 0, then
+        publish a --resume config change and master.json.
 worker: wait (bounded) for the run manifest and job.json, check its config and job facts
         against them, claim its rank, wait for master.json and check it can reach the master.
 """
@@ -13,8 +13,9 @@ from typing import Any
 from coordination.clock import Backoff, Clock
 from coordination.config import CoordinationConfig
 from coordination.layout import RunLayout
-from coordination.manifest import (JoinRefused, check_master_reachable, ensure_job, join_run_as_worker,
-                                   master_address, open_run_as_master, publish_master, read_master)
+from coordination.manifest import (JoinRefused, accept_resume, check_master_reachable, ensure_job,
+                                   join_run_as_worker, master_address, open_run_as_master, publish_master,
+                                   read_master)
 from coordination.node import Node
 
 log = logging.getLogger("baton.join")
@@ -54,6 +55,8 @@ def join_job(layout: RunLayout, *, job: str, rank: int, num_nodes: int, job_fact
     node = Node.join(layout, job, rank, num_nodes, run_id=info.run_id, cfg=cfg, command=command, clock=clock)
     try:
         if master:
+            # Only now, with rank 0 held: a --resume refused above has changed nothing.
+            accept_resume(layout, info)
             publish_master(jl, info.run_id, node.generation, master_address(cfg.master_addr))
         else:
             m = _wait(clock, cfg.join_timeout,

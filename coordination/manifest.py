@@ -1,8 +1,12 @@
 """Run identity and joining (docs/design.md §4, §5 rule 10).
 
 - `run.json` (created once, O_EXCL, by the first master): run_id and the config hash it began with.
-- `config.yaml`: the resolved config now in force; a change accepted with `--resume` is
-  recorded under `config-changes/` before config.yaml is replaced, so nothing changes silently.
+- `config.yaml`: the resolved config now in force. Only the master that won the exclusive create
+  of run.json publishes it, right after (so two masters racing with different configs cannot
+  leave a config.yaml that disagrees with run.json's hash; a creator that died in between is
+  repaired by a master whose config has that hash). A change accepted with `--resume` is
+  recorded under `config-changes/` and then replaces config.yaml, both only after the master has
+  claimed rank 0 (`accept_resume`): a refused `--resume` changes nothing (docs/design.md §4).
 - `jobs/<job>/job.json` (O_EXCL, by the job's master): num_nodes and rank weights.
 - `jobs/<job>/master.json`: where the job's master is (address for torchrun, host, pid, generation).
 
@@ -41,10 +45,22 @@ class JoinRefused(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ConfigChange:
+    """A config change a `--resume` master asked for; applied by `accept_resume` once the master
+    holds rank 0, never before."""
+
+    config: dict
+    from_hash: str
+    to_hash: str
+    changes: list[str]
+
+
+@dataclass(frozen=True)
 class RunInfo:
     run_id: str
     config_hash: str
     created_by: str
+    pending: ConfigChange | None = None  # --resume with another config: not yet published
 
 
 def check_log_path(root: Path) -> None:
@@ -84,7 +100,8 @@ def read_run(layout: RunLayout) -> RunInfo | None:
 
 
 def _foreign_entries(layout: RunLayout) -> list[str]:
-    # config.yaml alone is what a master leaves when it dies between writing it and run.json.
+    # config.yaml alone is what earlier versions left when a master died between writing it and
+    # run.json; it is replaced by the new run's own.
     return sorted(n for n in os.listdir(layout.root)
                   if not is_temp_name(n) and n != layout.config_yaml.name)
 
@@ -105,16 +122,45 @@ def open_run_as_master(layout: RunLayout, config: dict, *, resume: bool) -> RunI
                 f"and holds no baton run; choose an empty folder for a new run")
         run_id = uuid.uuid4().hex[:12]
         me = f"{socket.gethostname()}:{os.getpid()}"
-        _publish_config(layout, config)
         if create_record(layout.run_json, "run", {"config_hash": new_hash, "created_by": me},
                          run_id=run_id, generation=0):
+            # Only the winner of the exclusive create publishes config.yaml: a loser with another
+            # config must not overwrite what run.json's hash describes.
+            _publish_config(layout, config)
             log.info("created run %s in %s", run_id, layout.root)
             return RunInfo(run_id, new_hash, me)
         info = read_run(layout)  # another job's master created it a moment ago
         if info is None:
             raise JoinRefused(f"{layout.run_json} appeared but is unreadable; retry in a few seconds")
-    _check_or_resume_config(layout, info, config, resume=resume, role="master")
-    return info
+    pending = _check_or_resume_config(layout, info, config, resume=resume, role="master")
+    return RunInfo(info.run_id, info.config_hash, info.created_by, pending)
+
+
+def accept_resume(layout: RunLayout, info: RunInfo) -> None:
+    """Record and publish the config change of a `--resume` master. Called once the master holds
+    rank 0: a resume refused earlier (a live master, other job facts) leaves config.yaml and
+    config-changes/ as they were."""
+    change = info.pending
+    if change is None:
+        return
+    n = len(list(layout.config_changes_dir.glob("change-*.json"))) + 1 if layout.config_changes_dir.exists() else 1
+    publish_record(layout.config_change(n), "config-change",
+                   {"from_hash": change.from_hash, "to_hash": change.to_hash, "changes": change.changes,
+                    "by": f"{socket.gethostname()}:{os.getpid()}"}, run_id=info.run_id, generation=0)
+    _publish_config(layout, change.config)
+    log.warning("--resume: continuing run %s with a changed config (recorded in %s):\n  %s",
+                info.run_id, layout.config_change(n), "\n  ".join(change.changes[:20]))
+
+
+def _wait_config_yaml(layout: RunLayout, seconds: float = 10.0) -> dict | None:
+    """config.yaml of a run whose creator has just made run.json (it publishes config.yaml next)."""
+    clock, backoff = Clock(), Backoff(0.02, 0.5)
+    deadline = clock.monotonic() + seconds
+    while True:
+        current = read_config_yaml(layout)
+        if current is not None or clock.monotonic() > deadline:
+            return current
+        clock.sleep(backoff.next())
 
 
 def join_run_as_worker(layout: RunLayout, config: dict, *, join_timeout: float, clock: Clock | None = None,
@@ -143,12 +189,24 @@ def join_run_as_worker(layout: RunLayout, config: dict, *, join_timeout: float, 
     return info
 
 
-def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, resume: bool, role: str) -> None:
+def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, resume: bool,
+                            role: str) -> ConfigChange | None:
+    """None when `config` matches the run's; the change to make when a master resumes with
+    another config (published later, by `accept_resume`); JoinRefused otherwise."""
     current = read_config_yaml(layout)
+    if current is None and _hash_of(config) == info.config_hash and role == "master" and \
+            not layout.config_changes_dir.exists():
+        # The creator died between run.json and config.yaml: this config is the one run.json names.
+        _publish_config(layout, config)
+        return None
     if current is None:
-        raise JoinRefused(f"{layout.config_yaml} is missing or unreadable; the run in {layout.root} is damaged")
+        current = _wait_config_yaml(layout)
+    if current is None:
+        raise JoinRefused(f"{layout.config_yaml} is missing or unreadable; the run in {layout.root} is damaged "
+                          f"(run.json names config hash {info.config_hash}, this node's is {_hash_of(config)}): "
+                          f"start its master with the config of that hash to restore it, or use a new --log-path")
     if _hash_of(current) == _hash_of(config):
-        return
+        return None
     diff = differences(current, config, NODE_LOCAL_KEYS)
     shown = "\n  ".join(diff[:20])
     if not resume or role != "master":
@@ -158,13 +216,7 @@ def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, r
         raise JoinRefused(
             f"this node's config differs from the run in {layout.root} (run {info.run_id}, config hash "
             f"{_hash_of(current)} there, {_hash_of(config)} here):\n  {shown}\n{how}")
-    n = len(list(layout.config_changes_dir.glob("change-*.json"))) + 1 if layout.config_changes_dir.exists() else 1
-    publish_record(layout.config_change(n), "config-change",
-                   {"from_hash": _hash_of(current), "to_hash": _hash_of(config), "changes": diff,
-                    "by": f"{socket.gethostname()}:{os.getpid()}"}, run_id=info.run_id, generation=0)
-    _publish_config(layout, config)
-    log.warning("--resume: continuing run %s with a changed config (recorded in %s):\n  %s",
-                info.run_id, layout.config_change(n), shown)
+    return ConfigChange(config, _hash_of(current), _hash_of(config), diff)
 
 
 def _publish_config(layout: RunLayout, config: dict) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from coordination.clock import FakeClock
 from coordination.layout import RunLayout
-from coordination.manifest import JoinRefused, ensure_job, join_run_as_worker, open_run_as_master
+from coordination.manifest import (JoinRefused, accept_resume, ensure_job, join_run_as_worker, open_run_as_master,
+                                   read_config_yaml, read_run)
 from coordination.records import read_record
 from tests.procs import ROOT, bench_node, env
 
@@ -32,6 +33,8 @@ def test_changed_config_is_refused_unless_resumed_and_the_change_is_recorded(run
         open_run_as_master(lay, CFG_B, resume=False)
     again = open_run_as_master(lay, CFG_B, resume=True)
     assert again.run_id == info.run_id
+    assert "lr: 0.001" in lay.config_yaml.read_text(), "published before the rank was claimed"
+    accept_resume(lay, again)  # join_job calls it once the master holds rank 0
     change = read_record(lay.config_change(1))
     assert change.data["changes"] == ["train.lr: 0.001 -> 0.002"]
     assert "lr: 0.002" in lay.config_yaml.read_text()
@@ -103,3 +106,79 @@ def test_commands_start_without_importing_torch(run_dir):
     out = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, env=env(), capture_output=True,
                          text=True, timeout=60)
     assert out.stdout.strip() == "False False", out.stderr
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_refused_resume_changes_neither_config_yaml_nor_the_change_history(procs, run_dir):
+    """A --resume refused because rank 0 is held by a live master rewrote config.yaml and recorded
+    a change; a worker with the run's real config was then refused."""
+    from coordination.claims import ClaimRefused
+    from coordination.config import CoordinationConfig
+    from coordination.join import join_job
+
+    lay = RunLayout(run_dir)
+    hb = ["--heartbeat-interval", "0.3", "--peer-timeout", "3"]
+    procs.start("master", bench_node(run_dir, 0, 2, 2, *hb))  # waits at barrier 0 for a worker never started
+    _wait_for(lambda: lay.job("both").heartbeat(0).exists() and lay.job("both").master_json.exists(), 30,
+              "the bench master to join")
+    before = lay.config_yaml.read_bytes()
+    real = read_config_yaml(lay)
+    changed = dict(real, bench={"nodes": 2, "iterations": 7})
+    with pytest.raises((ClaimRefused, JoinRefused), match="already held by a live process"):
+        join_job(lay, job="both", rank=0, num_nodes=2, job_facts={"rank_weights": [1, 1]}, config=changed,
+                 cfg=CoordinationConfig(heartbeat_interval=0.3, peer_timeout=3), resume=True)
+    assert lay.config_yaml.read_bytes() == before
+    assert not lay.config_changes_dir.exists()
+    join_run_as_worker(lay, real, join_timeout=1)  # the run's config still admits its workers
+
+
+_RACER = """
+import sys, time
+from pathlib import Path
+from coordination.layout import RunLayout
+from coordination.manifest import JoinRefused, open_run_as_master
+root, lr, go = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+while not go.exists():
+    time.sleep(0.001)
+try:
+    open_run_as_master(RunLayout(root), {"train": {"lr": lr}, "pad": "x" * 200000}, resume=False)
+    print("joined")
+except JoinRefused as exc:
+    print("refused")
+"""
+
+
+def test_masters_racing_with_different_configs_leave_config_yaml_matching_run_json(tmp_path):
+    """config.yaml was written before the exclusive create of run.json, so a losing master with
+    another config could overwrite the winner's."""
+    import time
+
+    from coordination.manifest import _hash_of
+
+    for rnd in range(6):
+        root = tmp_path / f"run{rnd}"
+        root.mkdir(mode=0o750)
+        go = tmp_path / f"go{rnd}"
+        racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(root), str(0.001 * (i + 1)), str(go)],
+                                   cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True) for i in range(4)]
+        try:
+            time.sleep(1.0)  # every racer imported and polls the start file
+            go.write_text("go")
+            outs = [p.communicate(timeout=60)[0].strip() for p in racers]
+        finally:
+            for p in racers:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        lay = RunLayout(root)
+        assert outs.count("joined") == 1, outs
+        assert _hash_of(read_config_yaml(lay)) == read_run(lay).config_hash, f"round {rnd}: {outs}"
