@@ -3,6 +3,7 @@ watch on the peers while they run, so a dead node ends a collective instead of h
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -55,4 +56,25 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     finally:
         stop_group(proc)
     if code != 0:
-        raise ChildFailed(f"{what} exited with code {code}; last lines of {log_file}:\n{tail(log_file)}")
+        last = tail(log_file)
+        cause = error_line(last)
+        raise ChildFailed(f"{what} exited with code {code}{': ' + cause if cause else ''} (read {log_file}); "
+                          f"last lines:\n{last}")
+
+
+# Causes a person can act on come first: torchrun ends its log with its own generic
+# ChildFailedError, which would otherwise hide the disk that filled up.
+_ERROR_LINES = (re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied"),
+                re.compile(r"\b[A-Z]\w*(Error|Exception)\b|\bKilled\b"))
+
+
+def error_line(text: str) -> str:
+    """The last line of a child's log that names an error (`OSError: [Errno 28] No space left on
+    device`), so the console shows the cause in one line, not only "exited with code 1"."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("File ", "Traceback", "raise ", "^"))]
+    for pattern in _ERROR_LINES:
+        for line in reversed(lines):
+            if pattern.search(line):
+                return line[:300]
+    return ""

@@ -142,6 +142,23 @@ class RunPlan:
             self._pools[split] = load_tasks(path)
         return self._pools[split]
 
+    def check_inputs(self) -> None:
+        """Before this node writes anything to the run folder (docs/design.md §5 rule 10): every
+        task file this job reads parses (all lines, UTF-8), and the reward loads and returns a
+        finite number on a sample task. ConfigError (exit 2) names the file and line or the reward."""
+        from rollout.rewards import RewardError, check_reward
+        from rollout.tasks import TaskFileError
+
+        job = self.args.job
+        splits = (["train"] if job in ("both", "rollout") else []) + \
+            (["eval"] if job == "eval" or (job == "both" and self.cfg.run.eval_interval > 0) else [])
+        try:
+            pools = [self.pool(split) for split in splits]
+            if pools:
+                check_reward(self.cfg.tasks.reward, pools[0][0])
+        except (TaskFileError, RewardError) as exc:
+            raise ConfigError(str(exc)) from None
+
     def tasks_of(self, split: str, iteration: int) -> list:
         from rollout.split import sample_iteration, select_eval
 
@@ -159,9 +176,9 @@ class RunPlan:
 class RLJob:
     """One node's view of an RL job: its engine and the actions of its phases."""
 
-    def __init__(self, args: RunArgs, cfg: RunConfig, node: Node):
+    def __init__(self, args: RunArgs, cfg: RunConfig, node: Node, plan: RunPlan | None = None):
         self.args, self.cfg, self.node = args, cfg, node
-        self.plan = RunPlan(args, cfg)
+        self.plan = plan or RunPlan(args, cfg)
         self.layout: RunLayout = node.layout
         self.engine = None
         self.engine_starts = 0
@@ -416,8 +433,11 @@ class RLJob:
             return Verdict("continue", payload={"attempt": step.attempt})
         reason = failure_summary(step, failed)
         if step.attempt >= self.cfg.train.max_attempts:
+            # The rendezvous of a next attempt rides along: nodes restarted after this abort
+            # try once more under attempt + 1 (runner._run_phase) and need a fresh one.
             return Verdict("abort", f"{reason} (attempt {step.attempt} of {self.cfg.train.max_attempts}; "
-                                    f"raise train.max_attempts to retry more)")
+                                    f"raise train.max_attempts to retry more)",
+                           self.rendezvous(step.iteration, step.attempt + 1))
         return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
 
     def show_bench(self) -> None:
@@ -554,6 +574,8 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
     try:
         from coordination.join import join_job
 
+        plan = RunPlan(args, cfg)
+        plan.check_inputs()  # bad input: exit 2 before the run folder is touched
         node = join_job(layout, job=args.job, rank=args.rank, num_nodes=args.num_nodes,
                         job_facts={"rank_weights": args.rank_weights, "rl_phase": args.rl_phase,
                                    "rollout_split": args.rollout_split},
@@ -562,7 +584,7 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         blog.setup(f"{args.job} rank{args.rank} gen{node.generation}", logfile, getattr(logging, cfg.logging.level))
         logger.info("logs of this rank: %s (driver), %s (inference), %s (trainer)", logfile,
                     node.job.log_file(args.rank, "inference"), node.job.log_file(args.rank, "trainer"))
-        job = RLJob(args, cfg, node)
+        job = RLJob(args, cfg, node, plan)
         done = f"run.max_iterations ({cfg.run.max_iterations}) reached" + (
             ", final checkpoint evaluated" if job.plan.final_eval_on else "")
         if args.bench is not None:

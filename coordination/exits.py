@@ -3,7 +3,7 @@ from __future__ import annotations
 
 OK = 0            # finished, or stopped on request / at max_iterations
 ERROR = 1         # an unexpected error (a bug, or an environment problem the message names)
-USAGE = 2         # bad command line or config
+USAGE = 2         # bad command line, config or input (task files, reward, an unwritable --log-path)
 REFUSED = 3       # not allowed to join: config mismatch, duplicate live rank, unsafe log path
 PEER_LOST = 4     # a peer stayed lost past coordination.rejoin_timeout
 FENCED = 5        # this process was superseded by a newer generation of its rank
@@ -15,12 +15,12 @@ def classify(exc: BaseException) -> int:
     """The exit code for an exception that ends a node."""
     from coordination.claims import ClaimRefused, Fenced
     from coordination.config import ConfigError
-    from coordination.manifest import JoinRefused
+    from coordination.manifest import JoinRefused, UnusableLogPath
     from coordination.node import PeerLost
     from coordination.records import BrokenRecord
     from coordination.runner import PhaseFailed
 
-    table = ((ConfigError, USAGE), (JoinRefused, REFUSED), (ClaimRefused, REFUSED), (PeerLost, PEER_LOST),
+    table = ((ConfigError, USAGE), (UnusableLogPath, USAGE), (JoinRefused, REFUSED), (ClaimRefused, REFUSED), (PeerLost, PEER_LOST),
              (Fenced, FENCED), (PhaseFailed, ABORTED), (BrokenRecord, BROKEN))
     for cls, code in table:
         if isinstance(exc, cls):

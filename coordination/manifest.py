@@ -15,6 +15,7 @@ message that shows both values.
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -44,6 +45,25 @@ class JoinRefused(RuntimeError):
     """This node may not join the run in the log path; the message says why and what to do."""
 
 
+class UnusableLogPath(JoinRefused):
+    """--log-path cannot be created or written (a usage error: exit 2, no traceback)."""
+
+
+def _unusable(root: Path, exc: OSError) -> UnusableLogPath:
+    where = exc.filename or root
+    why = {
+        errno.EROFS: "is on a read-only filesystem; give a folder on a writable shared filesystem",
+        errno.EACCES: f"is not writable by this user (uid {os.getuid()}); fix its permissions (for example "
+                      f"`chmod u+rwx` on it, or g+rwx for your team's group) or give another --log-path",
+        errno.EPERM: f"is not writable by this user (uid {os.getuid()}); fix its permissions or give another "
+                     f"--log-path",
+        errno.ENOTDIR: "has a part that is a file, not a folder; give a folder path",
+        errno.ENOSPC: "is on a full filesystem (no space left); free space or give another --log-path",
+        errno.EDQUOT: "is over its disk quota; free space or give another --log-path",
+    }.get(exc.errno, f"cannot be written ({exc.strerror}); give a writable folder on the shared filesystem")
+    return UnusableLogPath(f"--log-path {root}: {where} {why}")
+
+
 @dataclass(frozen=True)
 class ConfigChange:
     """A config change a `--resume` master asked for; applied by `accept_resume` once the master
@@ -67,8 +87,21 @@ def check_log_path(root: Path) -> None:
     """Create the run directory if needed; refuse a world-writable one (protocol rule 11)."""
     root = Path(root)
     if root.exists() and not root.is_dir():
-        raise JoinRefused(f"--log-path {root} exists and is not a directory; give a folder on the shared filesystem")
-    ensure_dir(root)
+        raise UnusableLogPath(f"--log-path {root} exists and is not a directory; give a folder on the shared "
+                              f"filesystem")
+    try:
+        ensure_dir(root)
+        # A real write, not os.access: access() answers for the real uid and misses ACLs, root
+        # squashing on NFS and quotas. The probe has a temp name, so `recover` knows it too.
+        probe = root / f".write-probe.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise _unusable(root, exc) from None
     mode = root.stat().st_mode
     if mode & stat.S_IWOTH:
         raise JoinRefused(

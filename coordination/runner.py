@@ -6,6 +6,9 @@ the master decides there. Progress is read back from this rank's own arrival fil
 restarted rank resumes at the first phase it has not arrived at, and phases it finished are not
 run again (docs/design.md §5 rule 8). A failed action is a decision, not a hang (rule 9): the failing
 rank reports the error at the next barrier and the master's GO says retry, abort or go on.
+An abort ends the processes that took part in it, not the next ones: a rank restarted since
+(a higher generation than its arrival in that GO) tries the phase again under a new attempt
+number (docs/design.md §5 rule 9), so fixing an input and restarting is enough.
 """
 from __future__ import annotations
 
@@ -76,7 +79,9 @@ def default_decide(step: Step, arrivals: dict[int, Arrival]) -> Verdict:
 
 def failure_summary(step: Step, failed: dict[int, Arrival]) -> str:
     """One line per failing rank (the first line of its error; the whole error is in its log)."""
-    parts = [f"rank {r}: {(a.error or '').splitlines()[0] if a.error else 'failed'}" for r, a in sorted(failed.items())]
+    job = step.node.job
+    parts = [f"rank {r}: {(a.error or '').splitlines()[0] if a.error else 'failed'} (details: "
+             f"{job.log_file(r, 'driver')})" for r, a in sorted(failed.items())]
     return f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(parts)
 
 
@@ -165,6 +170,7 @@ class PhaseRunner:
             step = Step(node, it, spec, attempt, gos, retry)
             barrier = Barrier(node, it, spec.number, spec.name, attempt)
             go = barrier.read_go() if spec.barrier else None
+            decided_before = go is not None  # by processes that ran before this one got here
             if go is None:
                 self._arrive(phase, step, barrier)
                 if not spec.barrier:
@@ -176,8 +182,22 @@ class PhaseRunner:
                 self._error = None
                 continue
             if go.decision == "abort":
+                if decided_before and self._restarted_since(go):
+                    # The abort ended the processes that took part in it; a node restarted since
+                    # (typically with its input fixed) tries again under a new attempt number.
+                    log.warning("%s: the previous attempt aborted (%s); this process (generation %d) was started "
+                                "after that decision, so it tries again as attempt %d", barrier.label, go.reason,
+                                node.generation, attempt + 1)
+                    attempt, retry = attempt + 1, go
+                    self._error = None
+                    continue
                 raise PhaseFailed(go.reason)
             return go
+
+    def _restarted_since(self, go: Go) -> bool:
+        """True when this rank's process is newer than the one whose arrival the GO was decided on."""
+        mine = go.arrivals.get(str(self.node.rank)) or {}
+        return mine.get("generation") is not None and self.node.generation > int(mine["generation"])
 
     def _arrive(self, phase: Phase, step: Step, barrier: Barrier) -> None:
         spec, node = phase.spec, self.node

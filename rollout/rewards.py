@@ -199,6 +199,9 @@ def load_reward(spec: str) -> RewardFn:
     except ImportError as exc:
         raise RewardError(f"tasks.reward={spec!r}: cannot import module {module_name!r} ({exc}); make it importable "
                           f"on every node (for example put it in the repository or on PYTHONPATH)") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: name it
+        raise RewardError(f"tasks.reward={spec!r}: importing module {module_name!r} failed: "
+                          f"{type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise RewardError(f"tasks.reward={spec!r}: module {module_name!r} has no attribute {attr!r}; "
@@ -215,3 +218,19 @@ def load_reward(spec: str) -> RewardFn:
     except ValueError:
         pass  # builtins without a signature: trust them
     return CheckedReward(spec, obj)
+
+
+def check_reward(spec: str, task: Task) -> RewardFn:
+    """Load the reward and score one sample task (its own answer as the completion, and an empty
+    truncated completion) before a run starts: a reward that does not load, raises or returns
+    something other than a finite number is found at join, not at phase 1 of the first iteration."""
+    fn = load_reward(spec)
+    for text, finish in ((task.answer, "stop"), ("", "length")):
+        try:
+            fn(task, text, finish)
+        except RewardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's function is reported as input
+            raise RewardError(f"tasks.reward={spec!r} raised {type(exc).__name__}: {exc} on task {task.id!r} "
+                              f"(completion {text!r}, finish_reason {finish!r}); fix the function") from None
+    return fn

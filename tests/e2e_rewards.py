@@ -9,3 +9,16 @@ from __future__ import annotations
 
 def starts_with_digit(task, completion_text: str, finish_reason: str) -> float:
     return 1.0 if completion_text[:1].isdigit() else 0.0
+
+
+# Broken rewards for the input checks at join (tests/test_inputs_at_join.py).
+def raises(task, completion_text: str, finish_reason: str) -> float:
+    raise KeyError("score")
+
+
+def returns_text(task, completion_text: str, finish_reason: str) -> float:
+    return "1.0"
+
+
+def returns_nan(task, completion_text: str, finish_reason: str) -> float:
+    return float("nan")
