@@ -153,8 +153,11 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
     if log_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="baton-bench-")
         log_path = Path(tmp.name) / "run"
-    log_path.mkdir(parents=True, exist_ok=True)
-    os.chmod(log_path, 0o750)
+    try:
+        log_path.mkdir(parents=True)
+        os.chmod(log_path, 0o750)  # only a folder this process created: a user's own keeps its mode
+    except FileExistsError:
+        pass
     logs = log_path.parent / f"{log_path.name}-logs"  # outside the run folder, which must start empty
     logs.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))

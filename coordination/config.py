@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -259,7 +261,75 @@ def differences(a: dict, b: dict, exclude: tuple[str, ...] = ()) -> list[str]:
 
 
 def dump_yaml(cfg: Any) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yaml.safe_dump(redact(to_dict(cfg)), sort_keys=False)
+
+
+# -- secrets -----------------------------------------------------------------------------------
+# Keys whose value is a secret. Their value is given as `env:NAME` or `file:PATH` (a reference,
+# read when used) or literally; a literal value is shown as *** wherever baton writes or prints
+# config: config.yaml, dry runs, claim records, messages (docs/design.md §5 rule 11).
+SECRET_KEYS = ("inference.vllm.api_key",)
+MASK = "***"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_secret_reference(value: str) -> bool:
+    return value.startswith(("env:", "file:"))
+
+
+def check_secret_reference(value: str, key: str) -> None:
+    """A malformed env:/file: reference is a config error at load time, not at first use."""
+    if value.startswith("env:") and not _ENV_NAME.match(value[4:]):
+        raise ConfigError(f"{key}={value!r}: env: needs an environment variable name, e.g. env:BATON_VLLM_API_KEY")
+    if value.startswith("file:") and not value[5:].strip():
+        raise ConfigError(f"{key}={value!r}: file: needs a path, e.g. file:/home/me/.baton/vllm-key")
+    if value == MASK:
+        raise ConfigError(f"{key} is {MASK!r}, the mask baton prints instead of a secret; give the key as env:NAME "
+                          f"or file:PATH")
+
+
+def resolve_secret(value: str, key: str) -> str:
+    """The secret a config value stands for: the named environment variable, the file's content
+    (stripped), or the value itself. ConfigError names the variable or file, never the secret."""
+    if value.startswith("env:"):
+        name = value[4:]
+        if not os.environ.get(name):
+            raise ConfigError(f"{key}=env:{name}: environment variable {name} is not set (or empty) on this node; "
+                              f"export it before scripts/run.sh")
+        return os.environ[name]
+    if value.startswith("file:"):
+        path = Path(value[5:]).expanduser()
+        try:
+            secret = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{key}=file:{path}: cannot read it ({exc.strerror}); give a readable file") from None
+        if not secret:
+            raise ConfigError(f"{key}=file:{path}: the file is empty")
+        return secret
+    return value
+
+
+def redact(data: dict) -> dict:
+    """A copy of resolved config data with literal secrets replaced by ***."""
+    out = json.loads(json.dumps(data))
+    for key in SECRET_KEYS:
+        node, parts = out, key.split(".")
+        for p in parts[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(parts[-1]) and not is_secret_reference(str(node[parts[-1]])):
+            node[parts[-1]] = MASK
+    return out
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Command-line words with literal secrets of `key=value` overrides replaced by ***."""
+    out = []
+    for word in argv:
+        key, sep, value = word.partition("=")
+        if sep and key.strip() in SECRET_KEYS and value and not is_secret_reference(value):
+            word = f"{key}={MASK}"
+        out.append(word)
+    return out
 
 
 def field_help(cls: type) -> dict[str, str]:

@@ -158,6 +158,8 @@ class RunPlan:
                 check_reward(self.cfg.tasks.reward, pools[0][0])
         except (TaskFileError, RewardError) as exc:
             raise ConfigError(str(exc)) from None
+        if job in ("both", "rollout", "eval") and self.cfg.inference.engine == "vllm":
+            self.cfg.inference.vllm.resolved_api_key()  # an unset env: or unreadable file: is found now
 
     def tasks_of(self, split: str, iteration: int) -> list:
         from rollout.split import sample_iteration, select_eval

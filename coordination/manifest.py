@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from coordination.clock import Backoff, Clock
-from coordination.config import dict_hash, differences
+from coordination.config import dict_hash, differences, redact
 from coordination.layout import JobLayout, RunLayout
 from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, publish_bytes,
                                   publish_record, read_record, try_read)
@@ -37,8 +37,10 @@ from coordination.records import (RecordError, create_record, ensure_dir, is_tem
 log = logging.getLogger("baton.manifest")
 
 # Config keys that may differ between nodes without changing what the run computes.
+# The API key is one too: each rank's server and its client are on one node, and a literal key
+# is stored as *** in config.yaml, so it could not be compared anyway.
 NODE_LOCAL_KEYS = ("logging", "coordination.master_addr", "coordination.socket_ifname", "inference.vllm.python",
-                   "inference.vllm.env")
+                   "inference.vllm.env", "inference.vllm.api_key")
 
 
 class JoinRefused(RuntimeError):
@@ -253,7 +255,7 @@ def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, r
 
 
 def _publish_config(layout: RunLayout, config: dict) -> None:
-    publish_bytes(layout.config_yaml, yaml.safe_dump(config, sort_keys=False).encode())
+    publish_bytes(layout.config_yaml, yaml.safe_dump(redact(config), sort_keys=False).encode())
 
 
 # -- jobs ------------------------------------------------------------------------------------

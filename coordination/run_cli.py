@@ -24,6 +24,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from coordination.config import redact_argv
+
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
 USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
@@ -138,6 +140,16 @@ def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict)
     return bench
 
 
+def _warn_literal_secrets(overrides) -> None:
+    from coordination.config import SECRET_KEYS, is_secret_reference
+
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() in SECRET_KEYS and value and not is_secret_reference(value):
+            click.echo(f"warning: {key}=... on the command line is visible to every user through ps; give it as "
+                       f"{key}=env:NAME or {key}=file:PATH (baton shows it as *** everywhere it writes)", err=True)
+
+
 def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker,
           debug_mode, resume, dry_run, configs, overrides, **bench) -> RunArgs:
     bench = _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench)
@@ -159,9 +171,10 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
     for o in overrides:
         if "=" not in o or o.startswith("="):
             _fail(f"unexpected argument {o!r}: config overrides are key=value, e.g. train.lr=1e-4")
+    _warn_literal_secrets(overrides)
     return RunArgs(Path(data_path), Path(log_path), rl_phase, eval_interval, rollout_split, num_nodes, weights, rank,
                    debug_mode, resume, dry_run, [Path(c) for c in configs], list(overrides),
-                   command=shlex.join(["scripts/run.sh"] + sys.argv[1:]), bench=bench)
+                   command=shlex.join(["scripts/run.sh"] + redact_argv(sys.argv[1:])), bench=bench)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coordination.config import ConfigError, non_negative, option, positive, section
+from coordination.config import (ConfigError, check_secret_reference, non_negative, option, positive, resolve_secret,
+                                  section)
 from rollout.engine import Engine
 
 # Flags baton derives from other settings; setting them in extra_args would contradict those.
@@ -62,7 +63,10 @@ class VLLMConfig:
     port: int = option(0, "port of the server; 0 = a free port picked at each start")
     api_key: str = option(
         "", "key clients must send for /v1/*; empty = a random key per start when the host is not loopback "
-            "(none on loopback). Given to the server via VLLM_API_KEY, not argv, so `ps` does not show it")
+            "(none on loopback). Give it as env:NAME (read from environment variable NAME) or file:PATH (read "
+            "from that file, surrounding whitespace stripped) so it never appears in ps, config.yaml or logs; a "
+            "literal key works but is shown as *** everywhere baton writes or prints. Given to the server via "
+            "VLLM_API_KEY, not argv")
     served_model_name: str = option(
         "policy", "model name requests use; constant across restarts and reloads so clients never change")
     max_model_len: int = option(0, "longest prompt + completion in tokens; 0 = the model's own maximum")
@@ -107,6 +111,7 @@ class VLLMConfig:
             "baton never starts or stops it")
 
     def __post_init__(self) -> None:
+        check_secret_reference(self.api_key, "api_key")
         if not self.host.strip():
             raise ConfigError("host must be an address such as 127.0.0.1 (got an empty string)")
         if not 0 <= self.port <= 65535:
@@ -141,6 +146,10 @@ class VLLMConfig:
         if self.debug_url and not self.debug_url.startswith(("http://", "https://")):
             raise ConfigError(f"debug_url must start with http:// or https:// (got {self.debug_url!r}), "
                               f"e.g. http://127.0.0.1:8000")
+
+    def resolved_api_key(self) -> str:
+        """The key itself, read now from its env:NAME or file:PATH reference (or given literally)."""
+        return resolve_secret(self.api_key, "inference.vllm.api_key")
 
 
 @dataclass

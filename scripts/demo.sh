@@ -13,19 +13,20 @@ ensure_project_venv
 work="${BATON_DEMO_DIR:-$PWD/demo-run}"
 py="$PWD/.venv/bin/python"
 # PYTHONUNBUFFERED: progress lines reach the screen as they happen, also through a pipe.
-export PYTHONPATH="$PWD" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: the repository first on the import path, never the current folder.
+export PYTHONPATH="$PWD" PYTHONSAFEPATH=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 rm -rf "$work"            # the demo's own folder: every demo starts from scratch
 mkdir -p "$work"
 echo "== demo folder: $work"
 
 echo "== 1/4 tasks: 5000 train and 500 eval 3-digit additions"
-"$py" -m rollout.tasks make --kind arithmetic --out "$work/data" --train 5000 --eval 500 --digits 3 --seed 0
+"$py" -P -m rollout.tasks make --kind arithmetic --out "$work/data" --train 5000 --eval 500 --digits 3 --seed 0
 
 echo "== 2/4 a tiny character-level Llama"
-"$py" -m train.tiny --out "$work/tiny"
+"$py" -P -m train.tiny --out "$work/tiny"
 
 echo "== 3/4 SFT warm start until greedy eval accuracy reaches 25% (leaves headroom for RL)"
-OMP_NUM_THREADS=2 "$py" -m train.sft --model "$work/tiny" --data "$work/data/train.jsonl" --out "$work/sft" \
+OMP_NUM_THREADS=2 "$py" -P -m train.sft --model "$work/tiny" --data "$work/data/train.jsonl" --out "$work/sft" \
   --eval-data "$work/data/eval.jsonl" --target-accuracy 0.25 --eval-every 25 --steps 1500 2>&1 \
   | tee "$work/sft.log" | grep --line-buffered -E "accuracy|wrote|step +[0-9]*00 " || true
 [ -f "$work/sft/config.json" ] || { echo "SFT did not write $work/sft; see $work/sft.log" >&2; exit 1; }
@@ -54,7 +55,7 @@ if [ "$rc" != 0 ]; then
   exit "$rc"
 fi
 
-"$py" -m coordination report --log-path "$work/run" --table
+"$py" -P -m coordination report --log-path "$work/run" --table
 echo
 echo "logs:    $work/run/logs/both/rank-{0,1}/  (driver, inference, trainer)  and $work/node-{0,1}.log"
 echo "metrics: $work/run/metrics/iter-N.json   checkpoints: $work/run/checkpoints/"

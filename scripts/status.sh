@@ -3,4 +3,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export BATON_PROG="scripts/status.sh"
-exec "$python" -m coordination status "$@"
+exec "$python" -P -m coordination status "$@"

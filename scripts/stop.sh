@@ -3,4 +3,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export BATON_PROG="scripts/stop.sh"
-exec "$python" -m coordination stop "$@"
+exec "$python" -P -m coordination stop "$@"

@@ -153,7 +153,7 @@ class VLLMEngine(Engine):
 
     def _attach(self, model_dir: Path) -> None:
         """Debug mode: use the user's server as it is; the model it serves is theirs to choose."""
-        client = VLLMClient(self.cfg.debug_url, api_key=self.cfg.api_key, model_name=self.cfg.served_model_name,
+        client = VLLMClient(self.cfg.debug_url, api_key=self.cfg.resolved_api_key(), model_name=self.cfg.served_model_name,
                             request_timeout=self.cfg.request_timeout, max_concurrency=self.cfg.max_concurrency,
                             retries=self.cfg.retries, debug_server=True)
         try:

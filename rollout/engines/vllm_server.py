@@ -76,7 +76,7 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
         # InferenceConfig refuses this already; repeated here because this is where the routes open.
         raise EngineError(f"refusing to enable vLLM dev routes on non-loopback host {cfg.host}: they have no "
                           f"authentication; use host 127.0.0.1 or between_iterations=restart")
-    api_key = cfg.api_key or ("" if is_loopback(cfg.host) else secrets.token_urlsafe(32))
+    api_key = cfg.resolved_api_key() or ("" if is_loopback(cfg.host) else secrets.token_urlsafe(32))
     # Raw logprobs are of the untempered distribution; the engine convention (rollout/engine.py)
     # wants logits / temperature, which vLLM reports only in processed mode.
     logprobs_mode = "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
