@@ -15,6 +15,16 @@ LOG_PATH = click.option("--log-path", type=click.Path(path_type=Path, file_okay=
                         help="the run's shared --log-path")
 
 
+class CannotWrite(click.ClickException):
+    """A folder the command must write to is read-only, missing or full: a usage error (exit 2)."""
+
+    exit_code = 2
+
+
+def cannot_write(exc: OSError, what: str, fix: str) -> CannotWrite:
+    return CannotWrite(f"cannot write {what} ({exc.filename or ''}: {exc.strerror}); {fix}")
+
+
 @click.group()
 def main() -> None:
     """Inspect and steer a baton run through its shared log path."""
@@ -132,8 +142,12 @@ def stop(log_path: Path, cancel: bool) -> None:
     if layout.stop_file.exists():
         click.echo(f"a stop request is already in place in {log_path}: the run ends after its current iteration")
         return
-    publish_record(layout.stop_file, "stop", {"by": f"{socket.gethostname()}:{os.getpid()}"},
-                   run_id=run.run_id, generation=0)
+    try:
+        publish_record(layout.stop_file, "stop", {"by": f"{socket.gethostname()}:{os.getpid()}"},
+                       run_id=run.run_id, generation=0)
+    except OSError as exc:
+        raise cannot_write(exc, f"the stop request {layout.stop_file}",
+                           "run this where the log path is writable (the same user as the nodes)") from None
     click.echo(f"stop requested: the run in {log_path} ends after its current iteration "
                f"(withdraw with: scripts/stop.sh --log-path {log_path} --cancel)")
 
@@ -153,7 +167,11 @@ def report(log_path: Path, out: Path | None, as_json: bool, table: bool) -> None
     try:
         res = make_report(log_path, out)
     except FileNotFoundError as exc:
-        raise click.ClickException(str(exc)) from None
+        if exc.filename is None:  # make_report's own "no run here" message
+            raise click.ClickException(str(exc)) from None
+        raise cannot_write(exc, "the report", "give --out a writable folder") from None
+    except OSError as exc:
+        raise cannot_write(exc, "the report", "give --out a writable folder") from None
     if as_json:
         click.echo(json.dumps(res, indent=1))
         return

@@ -147,3 +147,19 @@ def test_failed_child_names_the_cause_and_its_log_in_one_line_disk_full(tmp_path
         subprocess.run(["umount", str(full)], check=True)
     first = str(err.value).splitlines()[0]
     assert "No space left on device" in first and str(log_file) in first
+
+
+def test_report_into_a_read_only_folder_is_one_line_with_exit_2(tmp_path, run_dir):
+    from coordination.records import create_record
+
+    create_record(RunLayout(run_dir).run_json, "run", {"config_hash": "x", "created_by": "t"}, run_id="r1",
+                  generation=0)
+    mnt = _ro_tmpfs(tmp_path)
+    try:
+        res = subprocess.run([sys.executable, "-m", "coordination", "report", "--log-path", str(run_dir),
+                              "--out", str(mnt / "report")], cwd=ROOT, env=env(), capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "cannot write the report" in res.stderr and "Read-only file system" in res.stderr
