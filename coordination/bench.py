@@ -155,9 +155,11 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
         log_path = Path(tmp.name) / "run"
     try:
         log_path.mkdir(parents=True)
-        os.chmod(log_path, 0o750)  # only a folder this process created: a user's own keeps its mode
+        created = True
     except FileExistsError:
-        pass
+        created = False
+    if created:
+        os.chmod(log_path, 0o750)  # only a folder this process created: a user's own keeps its mode
     logs = log_path.parent / f"{log_path.name}-logs"  # outside the run folder, which must start empty
     logs.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from coordination.clock import Clock
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
 from coordination.layout import JOBS, RunLayout, iteration_number
@@ -55,11 +57,9 @@ def run_timings(layout: RunLayout) -> tuple[float, float]:
     interval, timeout = CoordinationConfig.heartbeat_interval, CoordinationConfig.peer_timeout
     try:
         coord = (read_config_yaml(layout) or {}).get("coordination") or {}
-        interval = float(coord.get("heartbeat_interval", interval))
-        timeout = float(coord.get("peer_timeout", timeout))
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass  # an unreadable config.yaml: the defaults are the documented values
-    return interval, timeout
+        return float(coord.get("heartbeat_interval", interval)), float(coord.get("peer_timeout", timeout))
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        return interval, timeout  # an unreadable config.yaml: the documented defaults (--peer-timeout overrides)
 
 
 @dataclass

@@ -146,7 +146,8 @@ import sys, time
 from pathlib import Path
 from coordination.layout import RunLayout
 from coordination.manifest import JoinRefused, open_run_as_master
-root, lr, go = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+root, lr, go, ready = Path(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+ready.write_text("ready")
 while not go.exists():
     time.sleep(0.001)
 try:
@@ -164,14 +165,18 @@ def test_masters_racing_with_different_configs_leave_config_yaml_matching_run_js
 
     from coordination.manifest import _hash_of
 
-    for rnd in range(6):
+    for rnd in range(4):
         root = tmp_path / f"run{rnd}"
         root.mkdir(mode=0o750)
         go = tmp_path / f"go{rnd}"
-        racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(root), str(0.001 * (i + 1)), str(go)],
-                                   cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True) for i in range(4)]
+        ready = [tmp_path / f"ready{rnd}-{i}" for i in range(4)]
+        racers = [subprocess.Popen([sys.executable, "-c", _RACER, str(root), str(0.001 * (i + 1)), str(go),
+                                    str(ready[i])], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True)
+                  for i in range(4)]
         try:
-            time.sleep(1.0)  # every racer imported and polls the start file
+            deadline = time.monotonic() + 30
+            while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+                time.sleep(0.01)  # every racer imported and polls the start file
             go.write_text("go")
             outs = [p.communicate(timeout=60)[0].strip() for p in racers]
         finally:
