@@ -281,7 +281,8 @@ def _wrapper(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_stop_on_a_finished_run_says_so_and_writes_nothing(run_dir):
-    lay = _fixture_run(run_dir)
+    with _fixture_run(run_dir, live=()) as (lay, _):
+        pass
     publish_record(lay.job("both").progress_json, "progress",
                    {"completed_iteration": 13, "stopped": "run.max_iterations (12) reached"}, run_id=RUN, generation=1)
     res = _wrapper("stop", "--log-path", str(run_dir))
@@ -292,7 +293,8 @@ def test_stop_on_a_finished_run_says_so_and_writes_nothing(run_dir):
 
 
 def test_stop_twice_and_cancel_without_a_request_say_what_they_found(run_dir):
-    lay = _fixture_run(run_dir)
+    with _fixture_run(run_dir, live=()) as (lay, _):
+        pass
     res = _wrapper("stop", "--log-path", str(run_dir), "--cancel")
     assert res.returncode == 0 and "no stop request" in res.stdout and "nothing to withdraw" in res.stdout
     assert "withdraw with: scripts/stop.sh --log-path" in _wrapper("stop", "--log-path", str(run_dir)).stdout
