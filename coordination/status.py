@@ -79,9 +79,9 @@ def _read(path: Path, kind: str, run_id: str | None):
         return None
 
 
-def _latest_metrics(layout: RunLayout) -> dict[str, Any] | None:
+def _metrics_newest_first(layout: RunLayout):
     if not layout.metrics_dir.exists():
-        return None
+        return
     its = sorted((n, p) for p in layout.metrics_dir.iterdir() if (n := iteration_number(p.stem)) is not None)
     for n, p in reversed(its):
         try:
@@ -89,8 +89,25 @@ def _latest_metrics(layout: RunLayout) -> dict[str, Any] | None:
         except RecordError:
             rec = None
         if rec is not None:
-            return dict(rec.data, iteration=n)
-    return None
+            yield dict(rec.data, iteration=n)
+
+
+def _latest_metrics(layout: RunLayout) -> dict[str, Any] | None:
+    return next(_metrics_newest_first(layout), None)
+
+
+def _last_values(layout: RunLayout) -> dict[str, dict[str, Any]]:
+    """The newest train reward and eval accuracy, each from the newest iteration that has it: the
+    final evaluation-only iteration has no train reward, most iterations no eval."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in _metrics_newest_first(layout):
+        for key in ("train_reward_mean", "eval_accuracy"):
+            if key not in out and isinstance(m.get(key), (int, float)):
+                out[key] = {"value": m[key], "iteration": m["iteration"],
+                            "checkpoint": m.get("policy_iteration", m["iteration"] - 1)}
+        if len(out) == 2:
+            break
+    return out
 
 
 class StatusReader:
@@ -147,7 +164,7 @@ class StatusReader:
                                   prog.data.get("stopped") if prog else None, rows, self._waiting(rows)))
         return {"log_path": str(self.layout.root), "run_id": run_id, "jobs": [asdict(j) for j in jobs],
                 "peer_timeout": self.peer_timeout,
-                "latest_metrics": _latest_metrics(self.layout),
+                "latest_metrics": _latest_metrics(self.layout), "last_values": _last_values(self.layout),
                 "stop_requested": self.layout.stop_file.exists()}
 
     def _rank_row(self, jl, job: str, rank: int, run_id: str) -> RankRow:
@@ -200,46 +217,80 @@ class StatusReader:
         return master.message
 
 
-def render(snap: dict[str, Any]):
-    """A rich renderable for one snapshot."""
+# Columns in display order, and the order in which they are kept when the terminal is narrow:
+# rank, iteration, phase and state always fit in 80 columns; messages move under the table.
+COLUMNS = ("rank", "host", "pid", "gen", "iter", "phase", "heartbeat", "state", "message")
+KEEP_ORDER = ("rank", "iter", "phase", "state", "host", "heartbeat", "message", "pid", "gen")
+MESSAGE_MIN, MESSAGE_MAX = 24, 70
+COLORS = {"alive": "green", "lost": "red", "failed": "red", "exited": "cyan", "stopped": "cyan",
+          "never-joined": "yellow", "not moving": "yellow"}
+
+
+def _cells(r: dict[str, Any]) -> dict[str, str]:
+    if r["heartbeat_age_s"] is None:
+        age = "-"
+    elif r["state"] == "alive":
+        age = f"moved {r['heartbeat_age_s']:.0f} s ago"
+    else:
+        age = f"still {r['heartbeat_age_s']:.0f} s"
+    return {"rank": str(r["rank"]), "host": r["host"] or "-", "pid": str(r["pid"] or "-"),
+            "gen": str(r["generation"] or "-"), "iter": str(r["iteration"] or "-"),
+            "phase": "-" if r["phase"] is None else f"{r['phase']} {r['phase_name']}", "heartbeat": age,
+            "state": r["state"], "message": r["message"] or ""}
+
+
+def fit_columns(rows: list[dict[str, str]], width: int) -> list[str]:
+    """The columns that fit in `width` characters, kept by priority, shown in display order. A
+    column costs its widest cell plus 3 (padding and border); the message column wraps, so it
+    needs only MESSAGE_MIN."""
+    used, kept = 1, set()
+    for col in KEEP_ORDER:
+        natural = max([len(col)] + [len(r[col]) for r in rows])
+        need = (min(natural, MESSAGE_MIN) if col == "message" else natural) + 3
+        if used + need <= width:
+            kept.add(col)
+            used += need
+    return [c for c in COLUMNS if c in kept]
+
+
+def render(snap: dict[str, Any], width: int = 120):
+    """A rich renderable for one snapshot, fitted to `width` columns."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     parts: list[Any] = [Text(f"run {snap['run_id']} in {snap['log_path']}", style="bold")]
-    m = snap.get("latest_metrics")
-    if m:
-        bits = [f"iteration {m['iteration']}"]
-        for key, label in (("train_reward_mean", "train reward"), ("eval_accuracy", "eval accuracy")):
-            if m.get(key) is not None:
-                bits.append(f"{label} {m[key]:.3f}")
-        parts.append(Text("last metrics: " + ", ".join(bits)))
+    last = snap.get("last_values") or {}
+    bits = []
+    if "train_reward_mean" in last:
+        v = last["train_reward_mean"]
+        bits.append(f"train reward {v['value']:.3f} (iteration {v['iteration']})")
+    if "eval_accuracy" in last:
+        v = last["eval_accuracy"]
+        bits.append(f"eval accuracy {v['value']:.3f} (checkpoint {v['checkpoint']}, iteration {v['iteration']})")
+    if bits:
+        parts.append(Text("last " + ", ".join(bits)))
     if snap.get("stop_requested"):
         parts.append(Text("a stop was requested: the run ends after the current iteration", style="yellow"))
     if snap.get("watched_s") is not None:
         parts.append(Text(f"heartbeats watched for {snap['watched_s']:.1f} s on this machine's clock: alive = counter "
                           f"moved meanwhile, not moving = no change yet (lost only after peer_timeout "
                           f"{snap.get('peer_timeout', 0):.0f} s without one)"))
-    colors = {"alive": "green", "lost": "red", "failed": "red", "exited": "cyan", "stopped": "cyan",
-              "never-joined": "yellow", "not moving": "yellow"}
     for job in snap["jobs"]:
+        rows = [_cells(r) for r in job["ranks"]]
+        cols = fit_columns(rows, width)
         t = Table(title=f"job {job['job']}: {job['num_nodes']} nodes, {job['completed_iteration']} iterations done"
                         + (f", stopped ({job['stopped']})" if job["stopped"] else ""), title_justify="left")
-        for col in ("rank", "host", "pid", "gen", "iter", "phase", "heartbeat", "state"):
-            t.add_column(col, no_wrap=True)
-        t.add_column("message", no_wrap=True, overflow="ellipsis", max_width=70)
-        for r in job["ranks"]:
-            if r["heartbeat_age_s"] is None:
-                age = "-"
-            elif r["state"] == "alive":
-                age = f"moved {r['heartbeat_age_s']:.0f} s ago"
+        for col in cols:
+            if col == "message":
+                t.add_column(col, overflow="fold", max_width=MESSAGE_MAX)
             else:
-                age = f"still for {r['heartbeat_age_s']:.0f} s"
-            phase = "-" if r["phase"] is None else f"{r['phase']} {r['phase_name']}"
-            t.add_row(str(r["rank"]), r["host"] or "-", str(r["pid"] or "-"), str(r["generation"] or "-"),
-                      str(r["iteration"] or "-"), phase, age,
-                      Text(r["state"], style=colors.get(r["state"], "")), r["message"])
+                t.add_column(col, no_wrap=True)
+        for row in rows:
+            t.add_row(*[Text(row[c], style=COLORS.get(row[c], "")) if c == "state" else row[c] for c in cols])
         parts.append(t)
+        if "message" not in cols:
+            parts += [Text(f"  rank {row['rank']}: {row['message']}") for row in rows]
         parts.append(Text(f"now: {job['waiting']}"))
     return Group(*parts)
 
@@ -267,10 +318,8 @@ def print_status(log_path: Path, *, as_json: bool, watch: bool, interval: float 
         if as_json:
             print(json.dumps(snap, indent=1, default=str))
         else:
-            console.print(render(snap))
+            console.print(render(snap, console.width))
         return
-    from rich.live import Live
-
     start = reader.clock.monotonic()
 
     def snap() -> dict[str, Any]:
@@ -278,7 +327,16 @@ def print_status(log_path: Path, *, as_json: bool, watch: bool, interval: float 
         out["watched_s"] = round(reader.clock.monotonic() - start, 1)
         return out
 
-    with Live(render(snap()), console=console, refresh_per_second=4) as live:
+    if not console.is_terminal:
+        # A pipe or a log file cannot be redrawn in place: a plain snapshot every interval.
+        while True:
+            console.print(render(snap(), console.width))
+            console.print(f"-- {time.strftime('%H:%M:%S')}, next in {interval:g} s --")
+            sys.stdout.flush()
+            time.sleep(interval)
+    from rich.live import Live
+
+    with Live(render(snap(), console.width), console=console, refresh_per_second=4) as live:
         while True:
             time.sleep(interval)
-            live.update(render(snap()))
+            live.update(render(snap(), console.width))

@@ -313,3 +313,49 @@ def test_every_wrapper_names_itself_in_help_and_usage_errors_exit_2(name):
     assert "python -m coordination" not in res.stdout
     bad = _wrapper(name, "--no-such-flag")
     assert bad.returncode == 2 and f"scripts/{name}.sh" in bad.stderr and "No such option" in bad.stderr
+
+
+def _status_at(run_dir: Path, columns: int) -> str:
+    res = subprocess.run([sys.executable, "-m", "coordination", "status", "--log-path", str(run_dir)], cwd=ROOT,
+                         env=env(COLUMNS=str(columns)), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_status_fits_80_columns_with_every_ranks_number_phase_and_state(run_dir):
+    with _fixture_run(run_dir):
+        narrow = _status_at(run_dir, 80)
+        wide = _status_at(run_dir, 200)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    rows = [line for line in narrow.splitlines() if line.startswith("│")]
+    expected = {0: ("2 train-rollout-done", "alive"), 1: ("2 train-rollout-done", "alive"),
+                2: ("1 train-rollout", "not moving")}
+    for rank, (phase, state) in expected.items():
+        row = next((r for r in rows if r.split("│")[1].strip() == str(rank)), None)
+        assert row is not None and phase in row and state in row and "node-" in row, narrow
+    for msg in ("rank 2: rolling out 312/500 tasks", "rank 1: waiting at barrier 2 for the master's GO"):
+        assert msg in narrow, narrow                  # messages moved under the table, whole
+    header = next(line for line in wide.splitlines() if "rank" in line and "message" in line)
+    assert all(col in header for col in ("host", "pid", "gen", "iter", "phase", "heartbeat", "state"))
+
+
+def test_status_shows_the_last_train_reward_although_the_last_iteration_was_eval_only(run_dir):
+    with _fixture_run(run_dir) as (lay, _):
+        publish_record(lay.metrics(4), "metrics", {"eval_accuracy": 0.52, "policy_iteration": 3}, run_id=RUN,
+                       generation=0)
+        out = _status_at(run_dir, 120)
+    assert "last train reward 0.400 (iteration 3), eval accuracy 0.520 (checkpoint 3, iteration 4)" in out
+
+
+def test_status_watch_without_a_terminal_prints_a_plain_snapshot_every_interval(run_dir):
+    with _fixture_run(run_dir):
+        proc = subprocess.Popen([sys.executable, "-m", "coordination", "status", "--log-path", str(run_dir),
+                                 "--watch", "--interval", "0.5"], cwd=ROOT, env=env(COLUMNS="100"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            time.sleep(3.0)
+        finally:
+            os.killpg(proc.pid, 9)
+            out, _ = proc.communicate(timeout=10)
+    assert out.count("job both: 3 nodes") >= 3, out
+    assert out.count("next in 0.5 s") >= 3
