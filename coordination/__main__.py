@@ -73,6 +73,8 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
     try:
         items, rollback, snap = plan(log_path, reset_phase, peer_timeout, for_apply=do_apply,
                                      progress=lambda line: click.echo(line, err=True))
+    except BadResetSpec as exc:
+        raise click.BadParameter(str(exc), param_hint="--reset-phase") from None
     except (RecoverRefused, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
     if not items:

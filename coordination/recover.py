@@ -77,7 +77,8 @@ def _staging(layout: RunLayout) -> list[Item]:
 
 
 class BadResetSpec(RecoverRefused):
-    """--reset-phase was given a value that is not ITER:PHASE (a usage error: exit 2)."""
+    """--reset-phase names something that cannot be reset: not ITER:PHASE, an iteration that
+    never ran that phase, or one that later iterations build on (a usage error: exit 2)."""
 
 
 RESET_FORMS = ("ITER:PHASE with ITER an iteration number (1, 2, ...) and PHASE a phase number or name, "
@@ -107,7 +108,7 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
             continue
         later = [n for d in sync.parent.iterdir() if (n := iteration_number(d.name)) is not None and n > iteration]
         if later:
-            raise RecoverRefused(
+            raise BadResetSpec(
                 f"--reset-phase {spec}: job {job} already ran iteration {max(later)}; resetting an older iteration "
                 f"would leave later ones decided on its old outputs. Reset the latest iteration, or start a new run.")
         for d in sorted(sync.iterdir()):
@@ -119,7 +120,7 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
                 items.append(Item(d, f"flag folder of phase {num} of iteration {iteration} (job {job})"))
                 rollback[job] = iteration - 1
     if not items:
-        raise RecoverRefused(f"--reset-phase {spec}: iteration {iteration} has no flag folders at or after phase "
+        raise BadResetSpec(f"--reset-phase {spec}: iteration {iteration} has no flag folders at or after phase "
                              f"{phase} (it never ran there, or was garbage-collected)")
     return items, rollback
 
@@ -153,14 +154,11 @@ def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float | N
          temp_min_age: float = 60.0, *, for_apply: bool = False, clock: Clock | None = None,
          progress: Callable[[str], None] | None = None) -> tuple[list[Item], dict[str, int], dict]:
     layout = RunLayout(log_path)
-    if reset_phase:
-        parse_reset_spec(reset_phase)  # a typo is reported before the watch
+    # A reset that cannot be done (a typo, an iteration that never ran there or that later ones
+    # build on) is reported before the watch, which can take up to peer_timeout.
+    extra, rollback = _reset_items(layout, reset_phase) if reset_phase else ([], {})
     snap = watch_ranks(layout, peer_timeout, for_apply=for_apply, clock=clock, progress=progress)
-    items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout)
-    rollback: dict[str, int] = {}
-    if reset_phase:
-        extra, rollback = _reset_items(layout, reset_phase)
-        items += extra
+    items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout) + extra
     return items, rollback, snap
 
 

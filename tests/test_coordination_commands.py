@@ -359,3 +359,17 @@ def test_status_watch_without_a_terminal_prints_a_plain_snapshot_every_interval(
             out, _ = proc.communicate(timeout=10)
     assert out.count("job both: 3 nodes") >= 3, out
     assert out.count("next in 0.5 s") >= 3
+
+
+@pytest.mark.parametrize("spec, says", [("3:10", "job both already ran iteration 4"),
+                                        ("9:10", "iteration 9 has no flag folders")])
+def test_reset_phase_of_an_old_or_unknown_iteration_exits_2_at_once_and_removes_nothing(run_dir, spec, says):
+    with _fixture_run(run_dir, live=()) as (lay, _):
+        for it in (3, 4):
+            (lay.job("both").sync_iter_dir(it) / "10-train").mkdir(parents=True)
+        before = _tree(run_dir)
+        started = time.monotonic()
+        res = _cli("recover", "--log-path", str(run_dir), "--reset-phase", spec, "--apply", "--peer-timeout", "30")
+    assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert time.monotonic() - started < 20      # refused before watching heartbeats for peer_timeout
+    assert _tree(run_dir) == before
