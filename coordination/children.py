@@ -30,6 +30,7 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
                 what: str, check_every: float = 2.0, on_tick: Callable[[], None] | None = None) -> None:
     """Run `cmd` in its own process group, output appended to `log_file`; while it runs, check
     this node's fence and the peers' heartbeats. A lost peer or a fence stops the child group."""
+    node.check_fence()  # a superseded node neither starts a child nor touches its log
     ensure_dir(log_file.parent)
     peers = [r for r in peers if r != node.rank]
     with open(log_file, "ab") as out:

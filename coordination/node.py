@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
@@ -19,7 +20,7 @@ from coordination.clock import Backoff, Clock
 from coordination.config import CoordinationConfig
 from coordination.heartbeat import HeartbeatWriter, LivenessTracker, PeerView
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import PatientReader, RecordError, try_read
+from coordination.records import FenceGuard, PatientReader, RecordError, install_fence, try_read
 
 log = logging.getLogger("baton.node")
 
@@ -42,6 +43,7 @@ class Node:
     generation: int = 0
     claim: RankClaim | None = None
     heartbeat: HeartbeatWriter | None = None
+    fence: FenceGuard | None = None
 
     def __post_init__(self) -> None:
         self.liveness = LivenessTracker(self.cfg.peer_timeout, self.clock)
@@ -50,6 +52,9 @@ class Node:
         self._hints: dict[int, str] = {}
         # Every wait: what it waited for, how long, and the metadata operations made meanwhile.
         self.waits: list[dict] = []
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
+        self._announced: set[int] = set()
 
     @property
     def is_master(self) -> bool:
@@ -68,16 +73,60 @@ class Node:
         claim = RankClaim(jl, rank, run_id=run_id, cfg=cfg, clock=clock, command=command)
         gen = claim.acquire()
         node = cls(layout, jl, run_id, rank, num_nodes, cfg, clock, gen, claim)
+        # From here on every publish, create and append of this process (and of the children it
+        # starts) first checks that no newer generation took the rank (docs/design.md §5 rule 7).
+        node.fence = claim.fence_guard()
+        install_fence(node.fence)
         node.heartbeat = HeartbeatWriter(
             jl.heartbeat(rank), run_id=run_id, generation=gen, job=job, rank=rank,
             interval=cfg.heartbeat_interval, clock=clock, fenced=claim.is_fenced).start()
+        node.start_watching()
         return node
 
     def close(self, final_state: str = "exited", message: str | None = None) -> None:
+        self.stop_watching()
         if self.heartbeat is not None:
             self.heartbeat.stop(final_state, message)
-        if self.claim is not None:
-            self.claim.release()
+        if self.claim is not None and not self.claim.is_fenced(probe=False):
+            self.claim.release()  # a fenced process leaves the lease to the generation that took it
+        if self.fence is not None:
+            install_fence(None)
+
+    # -- watching the peers while this node is busy -----------------------------------------
+    def start_watching(self) -> None:
+        """Read every peer's heartbeat every heartbeat_interval/2 from a daemon thread, so the
+        silence of a peer is timed from its last change even while this node is busy in an
+        action (a wait that starts later judges from that), and a lost peer is named within
+        peer_timeout + heartbeat_interval of its last beat (docs/design.md §5 rule 6)."""
+        if self._watcher is None and self.num_nodes > 1:
+            self._watcher = threading.Thread(target=self._watch, name="baton-peer-watch", daemon=True)
+            self._watcher.start()
+
+    def stop_watching(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.cfg.heartbeat_interval + 5)
+        self._watcher = None
+
+    def _watch(self) -> None:
+        interval = self.cfg.heartbeat_interval / 2
+        while not self._watch_stop.wait(interval):
+            try:
+                for r in range(self.num_nodes):
+                    if r != self.rank:
+                        self._note(self.peer_view(r))
+            except Exception as exc:  # noqa: BLE001 - a hiccup must not end the watch; waits still judge
+                log.warning("could not read the peers' heartbeats: %s (retrying in %.1f s)", exc, interval)
+
+    def _note(self, view: PeerView) -> None:
+        """Name a peer as soon as it is lost, whatever this node is doing (once per loss)."""
+        if view.lost and view.rank not in self._announced:
+            self._announced.add(view.rank)
+            log.error("rank %d lost (noticed while this node was at: %s): %s. Restart it %s.", view.rank,
+                      self.heartbeat.state.get("message") if self.heartbeat else "?", view.describe(),
+                      self.restart_hint(view.rank))
+        elif not view.lost:
+            self._announced.discard(view.rank)
 
     # -- what this rank says ----------------------------------------------------------------
     def say(self, message: str, *, beat: bool = False, **fields) -> None:

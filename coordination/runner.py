@@ -21,7 +21,7 @@ from coordination.claims import Fenced
 from coordination.layout import iteration_number
 from coordination.node import Node, PeerLost
 from coordination.phases import PhaseSpec
-from coordination.records import RecordError, publish_record, try_read
+from coordination.records import RecordError, fence_check, publish_record, try_read
 
 log = logging.getLogger("baton.runner")
 
@@ -155,6 +155,9 @@ class PhaseRunner:
     def _run_phase(self, phase: Phase, it: int, gos: dict[int, Go]) -> Go | None:
         spec, node = phase.spec, self.node
         attempt, retry = 1, None
+        # Published at once (the heartbeat writes a new phase in this thread), for every phase this
+        # rank passes, acting or waiting: a rank lost now is reported at this phase, not an older one.
+        node.say(f"phase {spec.number} {spec.name}", iteration=it, phase=spec.number, phase_name=spec.name)
         while True:
             step = Step(node, it, spec, attempt, gos, retry)
             barrier = Barrier(node, it, spec.number, spec.name, attempt)
@@ -183,8 +186,7 @@ class PhaseRunner:
         if self._error is not None:
             ok, error = False, self._error  # an earlier phase of this iteration failed here
         elif phase.action is not None:
-            node.say(f"phase {spec.number} {spec.name}", beat=True, iteration=step.iteration, phase=spec.number,
-                     phase_name=spec.name)
+            node.say(f"phase {spec.number} {spec.name}", beat=True)
             self._event(step.iteration, spec, step.attempt, "start")
             try:
                 self._hold(spec)
@@ -250,6 +252,7 @@ class PhaseRunner:
     def collect_garbage(self, iteration: int) -> list[int]:
         """Remove barrier folders of iterations older than the keep window (master only)."""
         removed = []
+        fence_check()  # removing is writing: a superseded master leaves the folders alone
         sync = self.node.job.sync_dir
         if not sync.exists():
             return removed
