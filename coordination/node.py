@@ -54,7 +54,8 @@ class Node:
         self.waits: list[dict] = []
         self._watcher: threading.Thread | None = None
         self._watch_stop = threading.Event()
-        self._announced: set[int] = set()
+        self._announced: set[int] = set()  # peers named lost or exited and not back since
+        self._judge_lock = threading.Lock()
 
     @property
     def is_master(self) -> bool:
@@ -112,21 +113,31 @@ class Node:
         interval = self.cfg.heartbeat_interval / 2
         while not self._watch_stop.wait(interval):
             try:
+                doing = self.heartbeat.state.get("message") if self.heartbeat else "?"
                 for r in range(self.num_nodes):
                     if r != self.rank:
-                        self._note(self.peer_view(r))
+                        self._judge(self.peer_view(r), f"this node was busy ({doing})")
             except Exception as exc:  # noqa: BLE001 - a hiccup must not end the watch; waits still judge
                 log.warning("could not read the peers' heartbeats: %s (retrying in %.1f s)", exc, interval)
 
-    def _note(self, view: PeerView) -> None:
-        """Name a peer as soon as it is lost, whatever this node is doing (once per loss)."""
-        if view.lost and view.rank not in self._announced:
-            self._announced.add(view.rank)
-            log.error("rank %d lost (noticed while this node was at: %s): %s. Restart it %s.", view.rank,
-                      self.heartbeat.state.get("message") if self.heartbeat else "?", view.describe(),
-                      self.restart_hint(view.rank))
-        elif not view.lost:
-            self._announced.discard(view.rank)
+    def _judge(self, view: PeerView, doing: str) -> bool:
+        """True when the peer is lost or exited. Names it once per loss, from whichever thread sees
+        it first (the watcher or a wait), and says once when it is back."""
+        r, down = view.rank, view.lost or view.exited
+        with self._judge_lock:
+            if down and r not in self._announced:
+                self._announced.add(r)
+                reason = "exited" if view.exited and not view.lost else "lost"
+                never = " It never joined: is it running with the same --log-path on the same shared " \
+                        "filesystem?" if view.record is None else ""
+                log.error("rank %d %s while %s: %s.%s Restart it %s. Waits for it give up after %.0f s "
+                          "(coordination.rejoin_timeout) unless it comes back.", r, reason, doing,
+                          view.describe(), never, self.restart_hint(r), self.cfg.rejoin_timeout)
+            elif not down and r in self._announced:
+                self._announced.discard(r)
+                self._hints.pop(r, None)
+                log.warning("rank %d is back (%s)", r, view.describe())
+        return down
 
     # -- what this rank says ----------------------------------------------------------------
     def say(self, message: str, *, beat: bool = False, **fields) -> None:
@@ -161,24 +172,15 @@ class Node:
         now = self.clock.monotonic()
         for r in peers:
             view = self.peer_view(r)
-            if view.lost or view.exited:
-                if r not in self._lost_since:
-                    self._lost_since[r] = now
-                    reason = ("exited" if view.exited and not view.lost else "lost")
-                    never = " It never joined: is it running with the same --log-path on the same shared " \
-                            "filesystem?" if view.record is None else ""
-                    log.error("%s while waiting for %s: %s.%s Restart it %s. Waiting up to %.0f s "
-                              "(coordination.rejoin_timeout) for it to come back.", f"rank {r} {reason}", what,
-                              view.describe(), never, self.restart_hint(r), self.cfg.rejoin_timeout)
-                elif now - self._lost_since[r] > self.cfg.rejoin_timeout:
+            if self._judge(view, f"waiting for {what}"):
+                since = self._lost_since.setdefault(r, now)
+                if now - since > self.cfg.rejoin_timeout:
                     raise PeerLost(
                         f"rank {r} did not come back within {self.cfg.rejoin_timeout:.0f} s while this node waited "
                         f"for {what} ({view.describe()}). Restart every node with its original command to "
                         f"resume the run from where it stopped.")
-            elif r in self._lost_since:
-                log.warning("rank %d is back (%s)", r, view.describe())
-                del self._lost_since[r]
-                self._hints.pop(r, None)
+            else:
+                self._lost_since.pop(r, None)
 
     def wait_for(self, probe: Callable[[], T | None], *, what: str, peers: Callable[[], Iterable[int]],
                  dirs: Iterable[Path] = (), status_every: float = 30.0,
