@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from coordination.diagnose import relevant_lines
 from coordination.node import Node
 from coordination.procgroup import die_with_parent, stop_group
 from coordination.records import ensure_dir
@@ -19,11 +20,16 @@ class ChildFailed(RuntimeError):
     """The child exited non-zero or was stopped because a peer was lost."""
 
 
-def tail(path: Path, lines: int = 20) -> str:
+def why(path: Path, offset: int = 0) -> str:
+    """The lines of `path` after `offset` that say why a child failed (diagnose.relevant_lines),
+    or its last lines when none does."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
     except FileNotFoundError:
         return "(no log)"
+    return "\n".join(relevant_lines(text) or text.splitlines()[-20:])
 
 
 def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers: Iterable[int],
@@ -36,6 +42,7 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     with open(log_file, "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
         out.flush()
+        start = out.tell()  # this attempt's output begins here
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent)
     try:
@@ -56,4 +63,4 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     finally:
         stop_group(proc)
     if code != 0:
-        raise ChildFailed(f"{what} exited with code {code}; last lines of {log_file}:\n{tail(log_file)}")
+        raise ChildFailed(f"{what} exited with code {code}; from {log_file}:\n{why(log_file, start)}")

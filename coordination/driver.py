@@ -416,8 +416,9 @@ class RLJob:
             return Verdict("continue", payload={"attempt": step.attempt})
         reason = failure_summary(step, failed)
         if step.attempt >= self.cfg.train.max_attempts:
-            return Verdict("abort", f"{reason} (attempt {step.attempt} of {self.cfg.train.max_attempts}; "
-                                    f"raise train.max_attempts to retry more)")
+            # More attempts help a transient failure; for a known cause the summary says what does.
+            more = "" if "\n  what to do: " in reason else "; raise train.max_attempts to retry more"
+            return Verdict("abort", f"{reason}\n  (attempt {step.attempt} of {self.cfg.train.max_attempts}{more})")
         return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
 
     def show_bench(self) -> None:

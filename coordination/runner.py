@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from coordination import timeline
+from coordination import diagnose, timeline
 from coordination.barrier import Arrival, Barrier, Decision, Go
 from coordination.claims import Fenced
 from coordination.layout import iteration_number
@@ -74,9 +74,21 @@ def default_decide(step: Step, arrivals: dict[int, Arrival]) -> Verdict:
 
 
 def failure_summary(step: Step, failed: dict[int, Arrival]) -> str:
-    """One line per failing rank (the first line of its error; the whole error is in its log)."""
-    parts = [f"rank {r}: {(a.error or '').splitlines()[0] if a.error else 'failed'}" for r, a in sorted(failed.items())]
-    return f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(parts)
+    """The first line of each failing rank's error, then the lines of its log that say why (the
+    exception, gloo/NCCL's words), then what to do when diagnose's table knows the cause. Every
+    node prints this (the GO carries it), so nobody has to open another node's log to see it."""
+    firsts, details = [], []
+    for r, a in sorted(failed.items()):
+        lines = (a.error or "failed").splitlines() or ["failed"]
+        firsts.append(f"rank {r}: {lines[0]}")
+        more = diagnose.relevant_lines("\n".join(lines[1:]))
+        if more:
+            details.append(f"rank {r}:\n" + "\n".join(f"    {m}" for m in more))
+    text = f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(firsts)
+    if details:
+        text += "\n  " + "\n  ".join(details)
+    todo = diagnose.advice("\n".join(a.error or "" for a in failed.values()), str(step.node.layout.root))
+    return text + (f"\n  what to do: {todo}" if todo else "")
 
 
 @dataclass
