@@ -116,14 +116,16 @@ class Node:
                 doing = self.heartbeat.state.get("message") if self.heartbeat else "?"
                 for r in range(self.num_nodes):
                     if r != self.rank:
-                        self._judge(self.peer_view(r), f"this node was busy ({doing})")
+                        # A peer that said goodbye is no news here: the waits that need it say so.
+                        self._judge(self.peer_view(r), f"this node was busy ({doing})", exits=False)
             except Exception as exc:  # noqa: BLE001 - a hiccup must not end the watch; waits still judge
                 log.warning("could not read the peers' heartbeats: %s (retrying in %.1f s)", exc, interval)
 
-    def _judge(self, view: PeerView, doing: str) -> bool:
-        """True when the peer is lost or exited. Names it once per loss, from whichever thread sees
-        it first (the watcher or a wait), and says once when it is back."""
-        r, down = view.rank, view.lost or view.exited
+    def _judge(self, view: PeerView, doing: str, exits: bool = True) -> bool:
+        """True when the peer is lost (or, with `exits`, exited). Names it once per loss, from
+        whichever thread sees it first (the watcher or a wait), and says once when it is back."""
+        r = view.rank
+        down = exits if view.exited else view.lost
         with self._judge_lock:
             if down and r not in self._announced:
                 self._announced.add(r)
@@ -133,7 +135,7 @@ class Node:
                 log.error("rank %d %s while %s: %s.%s Restart it %s. Waits for it give up after %.0f s "
                           "(coordination.rejoin_timeout) unless it comes back.", r, reason, doing,
                           view.describe(), never, self.restart_hint(r), self.cfg.rejoin_timeout)
-            elif not down and r in self._announced:
+            elif not (view.lost or view.exited) and r in self._announced:
                 self._announced.discard(r)
                 self._hints.pop(r, None)
                 log.warning("rank %d is back (%s)", r, view.describe())

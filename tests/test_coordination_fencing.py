@@ -104,3 +104,20 @@ def test_a_new_phase_is_in_the_heartbeat_file_when_update_returns(tmp_path: Path
         assert (rec.data["iteration"], rec.data["phase"]) == (2, 0)
     finally:
         w.stop()
+
+
+def test_watcher_names_a_silent_peer_but_not_one_that_said_goodbye(tmp_path: Path):
+    from coordination.config import CoordinationConfig
+    from coordination.heartbeat import PeerView
+    from coordination.layout import RunLayout
+    from coordination.node import Node
+    from coordination.records import Record
+
+    lay = RunLayout(tmp_path)
+    node = Node(lay, lay.job("both"), "r", 0, 3, CoordinationConfig(), generation=1)
+    rec = Record("heartbeat", "r", 1, {"state": "exited", "host": "h", "pid": 1}, 0.0, Path("x"))
+    gone = PeerView(1, rec, 0.0, 0.0, 200.0, lost=True, exited=True)
+    assert not node._judge(gone, "busy", exits=False)      # the watcher: a clean exit is no loss
+    assert node._judge(gone, "waiting for barrier 2")      # a wait that needs it: it is gone
+    silent = PeerView(2, None, 0.0, 0.0, 200.0, lost=True, exited=False)
+    assert node._judge(silent, "busy", exits=False) and node._announced == {1, 2}
