@@ -80,7 +80,8 @@ class Node:
         install_fence(node.fence)
         node.heartbeat = HeartbeatWriter(
             jl.heartbeat(rank), run_id=run_id, generation=gen, job=job, rank=rank,
-            interval=cfg.heartbeat_interval, clock=clock, fenced=claim.is_fenced).start()
+            interval=cfg.heartbeat_interval, clock=clock,
+            fenced=lambda: claim.is_fenced(probe=False)).start()  # the publish itself stats the claim
         node.start_watching()
         return node
 
@@ -95,10 +96,14 @@ class Node:
 
     # -- watching the peers while this node is busy -----------------------------------------
     def start_watching(self) -> None:
-        """Read every peer's heartbeat every heartbeat_interval/2 from a daemon thread, so the
+        """Read the peers' heartbeats every heartbeat_interval/2 from a daemon thread, so the
         silence of a peer is timed from its last change even while this node is busy in an
         action (a wait that starts later judges from that), and a lost peer is named within
-        peer_timeout + heartbeat_interval of its last beat (docs/design.md §5 rule 6)."""
+        peer_timeout + heartbeat_interval of its last beat (docs/design.md §5 rule 6).
+
+        The master watches every rank, a worker only the master: that is who each must judge to
+        decide, and it keeps the reads linear in the number of nodes (a worker's waits still judge
+        the ranks the master waits for)."""
         if self._watcher is None and self.num_nodes > 1:
             self._watcher = threading.Thread(target=self._watch, name="baton-peer-watch", daemon=True)
             self._watcher.start()
@@ -114,10 +119,9 @@ class Node:
         while not self._watch_stop.wait(interval):
             try:
                 doing = self.heartbeat.state.get("message") if self.heartbeat else "?"
-                for r in range(self.num_nodes):
-                    if r != self.rank:
-                        # A peer that said goodbye is no news here: the waits that need it say so.
-                        self._judge(self.peer_view(r), f"this node was busy ({doing})", exits=False)
+                for r in (range(1, self.num_nodes) if self.is_master else (0,)):
+                    # A peer that said goodbye is no news here: the waits that need it say so.
+                    self._judge(self.peer_view(r), f"this node was busy ({doing})", exits=False)
             except Exception as exc:  # noqa: BLE001 - a hiccup must not end the watch; waits still judge
                 log.warning("could not read the peers' heartbeats: %s (retrying in %.1f s)", exc, interval)
 

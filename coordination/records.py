@@ -136,9 +136,13 @@ def fence_check() -> None:
 
 
 def _refuse_if_noticed() -> None:
-    """Free (no stat): once the fence is known, do not even create a temp file."""
-    if _guard is not None and _guard.noticed:
-        _guard.check()
+    """Before a temp file is created: a fence already known refuses at once, and a stat older than a
+    second (a process that was paused, above all) is taken again, so a woken process does not even
+    create and remove a temp file. Costs at most one stat a second; the check before the rename
+    stays the one that counts."""
+    guard = _current_guard()
+    if guard is not None and guard.fenced(max_age=1.0):
+        guard.check()
 
 
 def fence_noticed(max_age: float = 1.0) -> bool:
