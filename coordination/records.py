@@ -135,7 +135,7 @@ def fence_check() -> None:
         guard.check()
 
 
-def _refuse_if_noticed() -> None:
+def _fence_precheck() -> None:
     """Before a temp file is created: a fence already known refuses at once, and a stat older than a
     second (a process that was paused, above all) is taken again, so a woken process does not even
     create and remove a temp file. Costs at most one stat a second; the check before the rename
@@ -183,7 +183,7 @@ def atomic_output(target: Path) -> Iterator[Path]:
 
     Use for files written by libraries that want a path (Parquet, safetensors)."""
     target = Path(target)
-    _refuse_if_noticed()
+    _fence_precheck()
     ensure_dir(target.parent)
     tmp = _temp_name(target)
     try:
@@ -208,7 +208,7 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
     `durable=False` skips the fsync, for files that are rewritten every few seconds and worth
     nothing after a power loss (heartbeats); the rename keeps them atomic for readers."""
     target = Path(target)
-    _refuse_if_noticed()
+    _fence_precheck()
     fsops.count("publish", 2)  # create + rename
     tmp = _temp_name(target)
     try:
