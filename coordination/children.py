@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from coordination.diagnose import relevant_lines
 from coordination.node import Node
 from coordination.procgroup import die_with_parent, stop_group
 from coordination.records import ensure_dir
@@ -20,22 +21,29 @@ class ChildFailed(RuntimeError):
     """The child exited non-zero or was stopped because a peer was lost."""
 
 
-def tail(path: Path, lines: int = 20) -> str:
+def why(path: Path, offset: int = 0) -> str:
+    """The lines of `path` after `offset` that say why a child failed (diagnose.relevant_lines),
+    or its last lines when none does."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
     except FileNotFoundError:
         return "(no log)"
+    return "\n".join(relevant_lines(text) or text.splitlines()[-20:])
 
 
 def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers: Iterable[int],
                 what: str, check_every: float = 2.0, on_tick: Callable[[], None] | None = None) -> None:
     """Run `cmd` in its own process group, output appended to `log_file`; while it runs, check
     this node's fence and the peers' heartbeats. A lost peer or a fence stops the child group."""
+    node.check_fence()  # a superseded node neither starts a child nor touches its log
     ensure_dir(log_file.parent)
     peers = [r for r in peers if r != node.rank]
     with open(log_file, "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
         out.flush()
+        start = out.tell()  # this attempt's output begins here
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent)
     try:
@@ -56,10 +64,10 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     finally:
         stop_group(proc)
     if code != 0:
-        last = tail(log_file)
-        cause = error_line(last)
+        lines = why(log_file, start)
+        cause = error_line(lines)
         raise ChildFailed(f"{what} exited with code {code}{': ' + cause if cause else ''} (read {log_file}); "
-                          f"last lines:\n{last}")
+                          f"from its log:\n{lines}")
 
 
 # Causes a person can act on come first: torchrun ends its log with its own generic

@@ -31,7 +31,7 @@ from coordination.clock import Clock
 from coordination.config import CoordinationConfig
 from coordination.heartbeat import LivenessTracker
 from coordination.layout import JobLayout
-from coordination.records import RecordError, create_record, ensure_dir, try_read
+from coordination.records import Fenced, FenceGuard, RecordError, create_record, ensure_dir, try_read  # noqa: F401 - Fenced is caught as claims.Fenced
 
 log = logging.getLogger("baton.claims")
 
@@ -40,10 +40,6 @@ KIND = "claim"
 
 class ClaimRefused(RuntimeError):
     """Another live process holds this rank."""
-
-
-class Fenced(RuntimeError):
-    """This process's claim was superseded by a newer generation; it must stop writing and exit."""
 
 
 def boot_id() -> str:
@@ -161,13 +157,22 @@ class RankClaim:
             return True
         return False
 
+    def fence_guard(self) -> FenceGuard:
+        """The process-wide guard every writer asks before publishing (records.install_fence):
+        this claim's lease flag, then one stat of claim-(G+1)."""
+        return FenceGuard(self.job.claim(self.rank, self.generation + 1), flag=self._compromised.is_set,
+                          on_fenced=self._compromised.set, explain=self._fenced_message)
+
+    def _fenced_message(self) -> str:
+        newer = latest_holder(self.job, self.rank)
+        by = f" by {newer}" if newer and newer.generation > self.generation else ""
+        return (f"rank {self.rank} generation {self.generation} was taken over{by}; this process "
+                f"stops without writing anything further")
+
     def check(self, probe: bool = True) -> None:
         """Raise Fenced when this process has been superseded."""
         if self.is_fenced(probe):
-            newer = latest_holder(self.job, self.rank)
-            by = f" by {newer}" if newer and newer.generation > self.generation else ""
-            raise Fenced(f"rank {self.rank} generation {self.generation} was taken over{by}; this process "
-                         f"stops without writing anything further")
+            raise Fenced(self._fenced_message())
 
     def release(self) -> None:
         """Give up the lease on a clean exit (claim files stay: they are the generation history)."""

@@ -435,10 +435,11 @@ class RLJob:
             return Verdict("continue", payload={"attempt": step.attempt})
         reason = failure_summary(step, failed)
         if step.attempt >= self.cfg.train.max_attempts:
+            # More attempts help a transient failure; for a known cause the summary says what does.
+            more = "" if "\n  what to do: " in reason else "; raise train.max_attempts to retry more"
             # The rendezvous of a next attempt rides along: nodes restarted after this abort
             # try once more under attempt + 1 (runner._run_phase) and need a fresh one.
-            return Verdict("abort", f"{reason} (attempt {step.attempt} of {self.cfg.train.max_attempts}; "
-                                    f"raise train.max_attempts to retry more)",
+            return Verdict("abort", f"{reason}\n  (attempt {step.attempt} of {self.cfg.train.max_attempts}{more})",
                            self.rendezvous(step.iteration, step.attempt + 1))
         return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
 

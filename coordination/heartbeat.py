@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from coordination.clock import Clock
-from coordination.records import Record, RecordError, publish_record, try_read
+from coordination.records import Fenced, Record, RecordError, publish_record, try_read
 
 log = logging.getLogger("baton.heartbeat")
 
@@ -44,6 +44,8 @@ class HeartbeatWriter:
         self._fenced = fenced or (lambda: False)
         self._on_fenced = on_fenced
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._published_where: tuple[Any, Any] = (None, None)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -56,11 +58,16 @@ class HeartbeatWriter:
         self.stopped_by_fence = False
 
     def update(self, *, beat: bool = False, **fields: Any) -> None:
-        """Change what the next heartbeat says; `beat=True` has the thread write it at once
-        (phase changes), without making the caller wait for the filesystem."""
+        """Change what the next heartbeat says. A new iteration or phase is written at once, in the
+        caller's thread, so a rank killed right after is reported where it really was (docs/design.md
+        §5 rule 6); other `beat=True` updates have the thread write soon, without making the caller
+        wait for the filesystem."""
         with self._lock:
             self.state.update(fields)
-        if beat:
+            moved = (self.state["iteration"], self.state["phase"]) != self._published_where
+        if moved:
+            self.beat()
+        elif beat:
             if self._thread is not None and self._thread.is_alive():
                 self._wake.set()
             else:
@@ -68,27 +75,37 @@ class HeartbeatWriter:
 
     def beat(self) -> bool:
         """Write one heartbeat now. False when fenced (nothing written)."""
-        if self.stopped_by_fence:
-            return False
-        if self._fenced():
-            self.stopped_by_fence = True
-            self._stop.set()
-            if self._on_fenced is not None:
-                self._on_fenced()
-            return False
-        with self._lock:
-            self.counter += 1
-            data = dict(self.state, counter=self.counter, wall=self.clock.wall())
-        try:
-            # Not fsynced: a heartbeat is rewritten every few seconds and worthless after a power loss.
-            publish_record(self.path, KIND, data, run_id=self.run_id, generation=self.generation, durable=False)
-        except OSError as exc:
-            # A shared filesystem hiccup must not kill the rank; peers tolerate a few missed beats.
-            log.warning("could not write heartbeat %s: %s (retrying in %.0f s)", self.path, exc, self.interval)
-        return True
+        # One writer at a time: a beat of the thread racing one of a phase change could otherwise
+        # rename an older state over the newer one.
+        with self._write_lock:
+            if self.stopped_by_fence:
+                return False
+            if self._fenced():
+                self._stop_fenced()
+                return False
+            with self._lock:
+                self.counter += 1
+                data = dict(self.state, counter=self.counter, wall=self.clock.wall())
+            try:
+                # Not fsynced: a heartbeat is rewritten every few seconds and worthless after a power loss.
+                publish_record(self.path, KIND, data, run_id=self.run_id, generation=self.generation, durable=False)
+            except Fenced:  # the process-wide guard saw the newer claim between our check and the rename
+                self._stop_fenced()
+                return False
+            except OSError as exc:
+                # A shared filesystem hiccup must not kill the rank; peers tolerate a few missed beats.
+                log.warning("could not write heartbeat %s: %s (retrying in %.0f s)", self.path, exc, self.interval)
+            self._published_where = (data["iteration"], data["phase"])
+            return True
 
-    # Phase changes ask for an immediate beat; on a fast run they come many times a second,
-    # so immediate beats are at least this far apart (status can lag by this much).
+    def _stop_fenced(self) -> None:
+        self.stopped_by_fence = True
+        self._stop.set()
+        if self._on_fenced is not None:
+            self._on_fenced()
+
+    # Messages ask for an early beat; on a fast run they come many times a second, so early beats
+    # are at least this far apart (status can lag by this much; phase changes do not wait).
     MIN_GAP = 0.5
 
     def _loop(self) -> None:
@@ -148,33 +165,47 @@ class PeerView:
                 f"last seen {self.silent_for:.0f} s ago at {where}: {d.get('message')}")
 
 
+def _older(key: tuple, than: tuple | None) -> bool:
+    """A read of the same process's heartbeat with a lower counter: it was in flight while a
+    newer one was seen (two threads read), not a sign of life."""
+    return (than is not None and key[0] == than[0] and key[2] == than[2]
+            and isinstance(key[1], int) and isinstance(than[1], int) and key[1] < than[1])
+
+
 class LivenessTracker:
-    """Judges peers alive or lost from their heartbeat files, on this node's monotonic clock."""
+    """Judges peers alive or lost from their heartbeat files, on this node's monotonic clock.
+
+    The silence is timed from the moment this node *saw* a change, so the node must look often:
+    a node busy in a long action feeds it from a background reader (`Node` starts one), otherwise
+    a peer that died while the node was busy would be timed from the node's next look and named
+    up to that much late (docs/design.md §5 rule 6). Safe to feed from several threads."""
 
     def __init__(self, peer_timeout: float, clock: Clock | None = None):
         self.peer_timeout = peer_timeout
         self.clock = clock or Clock()
         self._seen: dict[int, tuple[Any, float, float, Record | None]] = {}
+        self._lock = threading.Lock()
 
     def observe(self, rank: int, record: Record | None, min_generation: int = 0) -> PeerView:
         """Feed the latest read of a peer's heartbeat (None if unreadable or missing).
 
         Records of a generation below `min_generation` come from a superseded process and do not
         count as signs of life of the rank."""
-        now = self.clock.monotonic()
         if record is not None and record.generation < min_generation:
             record = None
         key = (record.data.get("nonce"), record.data.get("counter"), record.generation) if record else None
-        prev = self._seen.get(rank)
-        if prev is None:
-            first_seen, last_change, last_key, last_rec = now, now, key, record
-        else:
-            last_key, first_seen, last_change, last_rec = prev
-            if key is not None and key != last_key:
-                last_key, last_change = key, now
-            if record is not None:
-                last_rec = record
-        self._seen[rank] = (last_key, first_seen, last_change, last_rec)
+        with self._lock:
+            now = self.clock.monotonic()
+            prev = self._seen.get(rank)
+            if prev is None:
+                first_seen, last_change, last_key, last_rec = now, now, key, record
+            else:
+                last_key, first_seen, last_change, last_rec = prev
+                if key is not None and key != last_key and not _older(key, last_key):
+                    last_key, last_change = key, now
+                if record is not None:
+                    last_rec = record
+            self._seen[rank] = (last_key, first_seen, last_change, last_rec)
         silent = now - last_change
         exited = bool(last_rec and last_rec.data.get("state") in ("exited", "failed", "stopped"))
         return PeerView(rank, last_rec, first_seen, last_change, silent, silent > self.peer_timeout, exited)
@@ -187,8 +218,10 @@ class LivenessTracker:
         return self.observe(rank, rec, min_generation)
 
     def last_record(self, rank: int) -> Record | None:
-        prev = self._seen.get(rank)
+        with self._lock:
+            prev = self._seen.get(rank)
         return prev[3] if prev else None
 
     def forget(self, rank: int) -> None:
-        self._seen.pop(rank, None)
+        with self._lock:
+            self._seen.pop(rank, None)

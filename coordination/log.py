@@ -13,6 +13,18 @@ from pathlib import Path
 _FMT = "%(asctime)s [{prefix}] %(levelname)s %(name)s: %(message)s"
 
 
+class _FencedFile(logging.FileHandler):
+    """The rank's log file, silent once this process knows it was superseded (docs/design.md §5
+    rule 7: a fenced process writes nothing under the log path; its last words go to stderr).
+    Probes the fence at most once a second, so a process woken from a pause stops at once."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from coordination.records import fence_noticed
+
+        if not fence_noticed(max_age=1.0):
+            super().emit(record)
+
+
 class _Prefix(logging.Formatter):
     def __init__(self, prefix: str):
         super().__init__(_FMT.format(prefix=prefix), datefmt="%H:%M:%S")
@@ -31,7 +43,7 @@ def setup(prefix: str, log_file: Path | None = None, level: int = logging.INFO) 
     root.addHandler(stream)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(log_file)
+        fh = _FencedFile(log_file)
         fh.setFormatter(_Prefix(prefix))
         root.addHandler(fh)
     return root

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
@@ -19,7 +20,7 @@ from coordination.clock import Backoff, Clock
 from coordination.config import CoordinationConfig
 from coordination.heartbeat import HeartbeatWriter, LivenessTracker, PeerView
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import PatientReader, RecordError, try_read
+from coordination.records import FenceGuard, PatientReader, RecordError, install_fence, try_read
 
 log = logging.getLogger("baton.node")
 
@@ -42,6 +43,7 @@ class Node:
     generation: int = 0
     claim: RankClaim | None = None
     heartbeat: HeartbeatWriter | None = None
+    fence: FenceGuard | None = None
 
     def __post_init__(self) -> None:
         self.liveness = LivenessTracker(self.cfg.peer_timeout, self.clock)
@@ -50,6 +52,10 @@ class Node:
         self._hints: dict[int, str] = {}
         # Every wait: what it waited for, how long, and the metadata operations made meanwhile.
         self.waits: list[dict] = []
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
+        self._announced: set[int] = set()  # peers named lost or exited and not back since
+        self._judge_lock = threading.Lock()
 
     @property
     def is_master(self) -> bool:
@@ -68,16 +74,76 @@ class Node:
         claim = RankClaim(jl, rank, run_id=run_id, cfg=cfg, clock=clock, command=command)
         gen = claim.acquire()
         node = cls(layout, jl, run_id, rank, num_nodes, cfg, clock, gen, claim)
+        # From here on every publish, create and append of this process (and of the children it
+        # starts) first checks that no newer generation took the rank (docs/design.md §5 rule 7).
+        node.fence = claim.fence_guard()
+        install_fence(node.fence)
         node.heartbeat = HeartbeatWriter(
             jl.heartbeat(rank), run_id=run_id, generation=gen, job=job, rank=rank,
-            interval=cfg.heartbeat_interval, clock=clock, fenced=claim.is_fenced).start()
+            interval=cfg.heartbeat_interval, clock=clock,
+            fenced=lambda: claim.is_fenced(probe=False)).start()  # the publish itself stats the claim
+        node.start_watching()
         return node
 
     def close(self, final_state: str = "exited", message: str | None = None) -> None:
+        self.stop_watching()
         if self.heartbeat is not None:
             self.heartbeat.stop(final_state, message)
-        if self.claim is not None:
-            self.claim.release()
+        if self.claim is not None and not self.claim.is_fenced(probe=False):
+            self.claim.release()  # a fenced process leaves the lease to the generation that took it
+        if self.fence is not None:
+            install_fence(None)
+
+    # -- watching the peers while this node is busy -----------------------------------------
+    def start_watching(self) -> None:
+        """Read the peers' heartbeats every heartbeat_interval/2 from a daemon thread, so the
+        silence of a peer is timed from its last change even while this node is busy in an
+        action (a wait that starts later judges from that), and a lost peer is named within
+        peer_timeout + heartbeat_interval of its last beat (docs/design.md §5 rule 6).
+
+        The master watches every rank, a worker only the master: that is who each must judge to
+        decide, and it keeps the reads linear in the number of nodes (a worker's waits still judge
+        the ranks the master waits for)."""
+        if self._watcher is None and self.num_nodes > 1:
+            self._watcher = threading.Thread(target=self._watch, name="baton-peer-watch", daemon=True)
+            self._watcher.start()
+
+    def stop_watching(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=self.cfg.heartbeat_interval + 5)
+        self._watcher = None
+
+    def _watch(self) -> None:
+        interval = self.cfg.heartbeat_interval / 2
+        while not self._watch_stop.wait(interval):
+            try:
+                doing = self.heartbeat.state.get("message") if self.heartbeat else "?"
+                for r in (range(1, self.num_nodes) if self.is_master else (0,)):
+                    # A peer that said goodbye is no news here: the waits that need it say so.
+                    self._judge(self.peer_view(r), f"this node was busy ({doing})", exits=False)
+            except Exception as exc:  # noqa: BLE001 - a hiccup must not end the watch; waits still judge
+                log.warning("could not read the peers' heartbeats: %s (retrying in %.1f s)", exc, interval)
+
+    def _judge(self, view: PeerView, doing: str, exits: bool = True) -> bool:
+        """True when the peer is lost (or, with `exits`, exited). Names it once per loss, from
+        whichever thread sees it first (the watcher or a wait), and says once when it is back."""
+        r = view.rank
+        down = exits if view.exited else view.lost
+        with self._judge_lock:
+            if down and r not in self._announced:
+                self._announced.add(r)
+                reason = "exited" if view.exited and not view.lost else "lost"
+                never = " It never joined: is it running with the same --log-path on the same shared " \
+                        "filesystem?" if view.record is None else ""
+                log.error("rank %d %s while %s: %s.%s Restart it %s. Waits for it give up after %.0f s "
+                          "(coordination.rejoin_timeout) unless it comes back.", r, reason, doing,
+                          view.describe(), never, self.restart_hint(r), self.cfg.rejoin_timeout)
+            elif not (view.lost or view.exited) and r in self._announced:
+                self._announced.discard(r)
+                self._hints.pop(r, None)
+                log.warning("rank %d is back (%s)", r, view.describe())
+        return down
 
     # -- what this rank says ----------------------------------------------------------------
     def say(self, message: str, *, beat: bool = False, **fields) -> None:
@@ -112,24 +178,15 @@ class Node:
         now = self.clock.monotonic()
         for r in peers:
             view = self.peer_view(r)
-            if view.lost or view.exited:
-                if r not in self._lost_since:
-                    self._lost_since[r] = now
-                    reason = ("exited" if view.exited and not view.lost else "lost")
-                    never = " It never joined: is it running with the same --log-path on the same shared " \
-                            "filesystem?" if view.record is None else ""
-                    log.error("%s while waiting for %s: %s.%s Restart it %s. Waiting up to %.0f s "
-                              "(coordination.rejoin_timeout) for it to come back.", f"rank {r} {reason}", what,
-                              view.describe(), never, self.restart_hint(r), self.cfg.rejoin_timeout)
-                elif now - self._lost_since[r] > self.cfg.rejoin_timeout:
+            if self._judge(view, f"waiting for {what}"):
+                since = self._lost_since.setdefault(r, now)
+                if now - since > self.cfg.rejoin_timeout:
                     raise PeerLost(
                         f"rank {r} did not come back within {self.cfg.rejoin_timeout:.0f} s while this node waited "
                         f"for {what} ({view.describe()}). Restart every node with its original command to "
                         f"resume the run from where it stopped.")
-            elif r in self._lost_since:
-                log.warning("rank %d is back (%s)", r, view.describe())
-                del self._lost_since[r]
-                self._hints.pop(r, None)
+            else:
+                self._lost_since.pop(r, None)
 
     def wait_for(self, probe: Callable[[], T | None], *, what: str, peers: Callable[[], Iterable[int]],
                  dirs: Iterable[Path] = (), status_every: float = 30.0,

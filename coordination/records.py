@@ -54,6 +54,103 @@ class BrokenRecord(RecordError):
     """A record that stayed unreadable for longer than the caller's bound."""
 
 
+class Fenced(RuntimeError):
+    """This process's claim was superseded by a newer generation; it must stop writing and exit."""
+
+
+# -- the fence guard (docs/design.md §5 rule 7) -------------------------------------------------
+# Readers ignore a superseded generation's output, but a paused process that wakes up must not
+# even put files in place: a chunk renamed over a name the new generation reads, or a timeline
+# line, would be its last word in a run it no longer belongs to. So every writer in this module
+# (and timeline.append, the checkpoint renames, garbage collection) asks `fence_check()` right
+# before the step that makes its output visible. The guard is process-wide: `Node.join` installs
+# it, and children (torchrun's trainers, servers) inherit the claim file to watch through
+# ENV_FENCE, so their writes through these helpers are fenced as well.
+ENV_FENCE = "BATON_FENCE_FILE"
+
+
+class FenceGuard:
+    """Fenced once `newer_claim` (claim-(G+1) of this process's rank) exists or `flag()` says so.
+
+    Sticky: once noticed it stays noticed and `on_fenced` runs once. One stat per `check`."""
+
+    def __init__(self, newer_claim: Path, *, flag: Callable[[], bool] | None = None,
+                 on_fenced: Callable[[], None] | None = None, explain: Callable[[], str] | None = None):
+        self.newer_claim = Path(newer_claim)
+        self.flag = flag
+        self.on_fenced = on_fenced
+        self.explain = explain
+        self.noticed = False
+        self._probed = float("-inf")
+
+    def fenced(self, max_age: float = 0.0) -> bool:
+        """True once this process is superseded. Stats the newer claim unless the last stat is
+        younger than `max_age` seconds (for callers as frequent as log lines)."""
+        if self.noticed:
+            return True
+        now = time.monotonic()
+        if (self.flag is not None and self.flag()) or (
+                now - self._probed >= max_age and self._probe(now)):
+            self.noticed = True
+            if self.on_fenced is not None:
+                self.on_fenced()
+        return self.noticed
+
+    def _probe(self, now: float) -> bool:
+        self._probed = now
+        return fsops.exists(self.newer_claim)
+
+    def check(self) -> None:
+        if self.fenced():
+            raise Fenced(self.explain() if self.explain is not None else
+                         f"{self.newer_claim} exists: the rank this process worked for was taken over by a newer "
+                         f"generation; this process writes nothing further")
+
+
+_guard: FenceGuard | None = None
+
+
+def install_fence(guard: FenceGuard | None) -> None:
+    """Make `guard` this process's fence (None removes it) and let children inherit its claim file."""
+    global _guard
+    _guard = guard
+    if guard is None:
+        os.environ.pop(ENV_FENCE, None)
+    else:
+        os.environ[ENV_FENCE] = str(guard.newer_claim)
+
+
+def _current_guard() -> FenceGuard | None:
+    global _guard
+    if _guard is None and os.environ.get(ENV_FENCE):
+        _guard = FenceGuard(Path(os.environ[ENV_FENCE]))  # a child of a node: watch its claim file
+    return _guard
+
+
+def fence_check() -> None:
+    """Raise Fenced if this process has been superseded (one stat). Writers call it right before
+    they rename, create or append under the log path."""
+    guard = _current_guard()
+    if guard is not None:
+        guard.check()
+
+
+def _fence_precheck() -> None:
+    """Before a temp file is created: a fence already known refuses at once, and a stat older than a
+    second (a process that was paused, above all) is taken again, so a woken process does not even
+    create and remove a temp file. Costs at most one stat a second; the check before the rename
+    stays the one that counts."""
+    guard = _current_guard()
+    if guard is not None and guard.fenced(max_age=1.0):
+        guard.check()
+
+
+def fence_noticed(max_age: float = 1.0) -> bool:
+    """Whether this process is fenced, probing at most once per `max_age` seconds (log handlers)."""
+    guard = _current_guard()
+    return guard is not None and guard.fenced(max_age)
+
+
 @dataclass(frozen=True)
 class Record:
     kind: str
@@ -86,6 +183,7 @@ def atomic_output(target: Path) -> Iterator[Path]:
 
     Use for files written by libraries that want a path (Parquet, safetensors)."""
     target = Path(target)
+    _fence_precheck()
     ensure_dir(target.parent)
     tmp = _temp_name(target)
     try:
@@ -96,6 +194,7 @@ def atomic_output(target: Path) -> Iterator[Path]:
         finally:
             os.close(fd)
         os.chmod(tmp, FILE_MODE)
+        fence_check()
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -109,6 +208,7 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
     `durable=False` skips the fsync, for files that are rewritten every few seconds and worth
     nothing after a power loss (heartbeats); the rename keeps them atomic for readers."""
     target = Path(target)
+    _fence_precheck()
     fsops.count("publish", 2)  # create + rename
     tmp = _temp_name(target)
     try:
@@ -123,6 +223,7 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
                 os.fsync(fd)
         finally:
             os.close(fd)  # raises on a failed close (NFS reports write errors here)
+        fence_check()
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -167,6 +268,7 @@ def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str,
     The whole record goes out in one write; a reader that catches the tiny window before it
     lands sees an empty or short file, which `read_record` reports as NotThereYet."""
     target = Path(target)
+    fence_check()
     ensure_dir(target.parent)
     payload = encode_record(kind, data, run_id=run_id, generation=generation)
     fsops.count("create")

@@ -19,13 +19,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from coordination import timeline
+from coordination import diagnose, timeline
 from coordination.barrier import Arrival, Barrier, Decision, Go
 from coordination.claims import Fenced
 from coordination.layout import iteration_number
 from coordination.node import Node, PeerLost
 from coordination.phases import PhaseSpec
-from coordination.records import RecordError, publish_record, try_read
+from coordination.records import RecordError, fence_check, publish_record, try_read
 
 log = logging.getLogger("baton.runner")
 
@@ -78,11 +78,22 @@ def default_decide(step: Step, arrivals: dict[int, Arrival]) -> Verdict:
 
 
 def failure_summary(step: Step, failed: dict[int, Arrival]) -> str:
-    """One line per failing rank (the first line of its error; the whole error is in its log)."""
+    """The first line of each failing rank's error, then the lines of its log that say why (the
+    exception, gloo/NCCL's words), then what to do when diagnose's table knows the cause. Every
+    node prints this (the GO carries it), so nobody has to open another node's log to see it."""
+    firsts, details = [], []
     job = step.node.job
-    parts = [f"rank {r}: {(a.error or '').splitlines()[0] if a.error else 'failed'} (details: "
-             f"{job.log_file(r, 'driver')})" for r, a in sorted(failed.items())]
-    return f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(parts)
+    for r, a in sorted(failed.items()):
+        lines = (a.error or "failed").splitlines() or ["failed"]
+        firsts.append(f"rank {r}: {lines[0]} (details: {job.log_file(r, 'driver')})")
+        more = diagnose.relevant_lines("\n".join(lines[1:]))
+        if more:
+            details.append(f"rank {r}:\n" + "\n".join(f"    {m}" for m in more))
+    text = f"iteration {step.iteration} failed at phase {step.spec.number} {step.spec.name}: " + "; ".join(firsts)
+    if details:
+        text += "\n  " + "\n  ".join(details)
+    todo = diagnose.advice("\n".join(a.error or "" for a in failed.values()), str(step.node.layout.root))
+    return text + (f"\n  what to do: {todo}" if todo else "")
 
 
 @dataclass
@@ -166,6 +177,9 @@ class PhaseRunner:
     def _run_phase(self, phase: Phase, it: int, gos: dict[int, Go]) -> Go | None:
         spec, node = phase.spec, self.node
         attempt, retry = 1, None
+        # Published at once (the heartbeat writes a new phase in this thread), for every phase this
+        # rank passes, acting or waiting: a rank lost now is reported at this phase, not an older one.
+        node.say(f"phase {spec.number} {spec.name}", iteration=it, phase=spec.number, phase_name=spec.name)
         while True:
             step = Step(node, it, spec, attempt, gos, retry)
             barrier = Barrier(node, it, spec.number, spec.name, attempt)
@@ -209,8 +223,7 @@ class PhaseRunner:
         if self._error is not None:
             ok, error = False, self._error  # an earlier phase of this iteration failed here
         elif phase.action is not None:
-            node.say(f"phase {spec.number} {spec.name}", beat=True, iteration=step.iteration, phase=spec.number,
-                     phase_name=spec.name)
+            node.say(f"phase {spec.number} {spec.name}", beat=True)
             self._event(step.iteration, spec, step.attempt, "start")
             try:
                 self._hold(spec)
@@ -276,6 +289,7 @@ class PhaseRunner:
     def collect_garbage(self, iteration: int) -> list[int]:
         """Remove barrier folders of iterations older than the keep window (master only)."""
         removed = []
+        fence_check()  # removing is writing: a superseded master leaves the folders alone
         sync = self.node.job.sync_dir
         if not sync.exists():
             return removed

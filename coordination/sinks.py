@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from coordination.layout import RunLayout
+from coordination.records import fence_check
 
 log = logging.getLogger("baton.sinks")
 
@@ -32,6 +33,7 @@ def scalars(rec: dict[str, Any]) -> dict[str, float]:
 
 
 def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
+    fence_check()  # event files live under the log path too (docs/design.md §5 rule 7)
     values = scalars(rec)
     step = int(rec["iteration"])
     if cfg.tensorboard:

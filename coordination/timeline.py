@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coordination.records import FILE_MODE, ensure_dir
+from coordination.records import FILE_MODE, ensure_dir, fence_check
 
 log = logging.getLogger("baton.timeline")
 
 
 def append(path: Path, event: dict[str, Any]) -> None:
+    fence_check()  # a superseded process adds no line, not even a folder (docs/design.md §5 rule 7)
     ensure_dir(Path(path).parent)
     line = (json.dumps(event, sort_keys=True) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)

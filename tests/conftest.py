@@ -20,6 +20,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def no_fence_left_behind():
+    """Node.join installs a process-wide fence guard; a test that joins in-process and does not
+    close its node must not leave it (or its environment variable) to the next test."""
+    yield
+    from coordination.records import install_fence
+
+    install_fence(None)
+
+
 @pytest.fixture
 def procs(tmp_path: Path):
     p = Procs(tmp_path / "proc-logs")

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from coordination.layout import RunLayout, iteration_number
-from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, try_read
+from coordination.records import NotThereYet, ensure_dir, fence_check, publish_record, read_record, try_read
 
 MARKER = "baton-complete.json"
 OPTIMIZER_DIR = "optimizer"
@@ -150,6 +150,7 @@ def publish_checkpoint(layout: RunLayout, iteration: int, staging: Path, *, run_
                 f"staging folder {staging} is missing or incomplete ({MARKER} absent or files differ); "
                 f"the training attempt did not finish: rerun it")
         ensure_dir(final.parent)
+        fence_check()  # docs/design.md §5 rule 7: a superseded master renames nothing into place
         os.rename(staging, final)
     _move_latest(layout, iteration, run_id)
     return final
@@ -172,6 +173,7 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
     then deleted. Staging folders of iterations LATEST has passed are dead attempts and go too."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (got {keep_last})")
+    fence_check()  # removing is writing: a superseded master keeps its hands off (docs/design.md §5 rule 7)
     latest = read_latest(layout)
     latest_iter = latest[0] if latest else None
     present = published_iterations(layout)

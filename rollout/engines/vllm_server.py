@@ -21,6 +21,7 @@ from pathlib import Path
 
 from coordination import log
 from coordination.procgroup import die_with_parent
+from coordination.records import fence_check
 from rollout.engine import EngineError
 from rollout.inference import VLLMConfig, is_loopback
 
@@ -210,6 +211,7 @@ class ServerProcess:
         return log_tail(self.log_file, lines, self.log_start)
 
     def start(self) -> None:
+        fence_check()  # a superseded node starts no server and adds nothing to its log
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in self.spec.drop_env}
         env.update(self.spec.env)
