@@ -84,9 +84,11 @@ def test_failure_summary_shows_each_ranks_relevant_log_lines_and_the_advice(tmp_
     text = failure_summary(_step(tmp_path), {1: Arrival(1, 1, False, err, {}),
                                              0: Arrival(0, 1, False, "ChildFailed: attempt 2 already failed", {})})
     first, *rest = text.splitlines()
-    assert first == ("iteration 3 failed at phase 10 train: rank 0: ChildFailed: attempt 2 already failed; "
-                     "rank 1: ChildFailed: torchrun (iteration 3, attempt 2) exited with code 1; from "
-                     "/r/logs/rank-1/trainer.log:")
+    logs = RunLayout(tmp_path).job("both")
+    assert first == (f"iteration 3 failed at phase 10 train: rank 0: ChildFailed: attempt 2 already failed "
+                     f"(details: {logs.log_file(0, 'driver')}); rank 1: ChildFailed: torchrun (iteration 3, "
+                     f"attempt 2) exited with code 1; from /r/logs/rank-1/trainer.log: (details: "
+                     f"{logs.log_file(1, 'driver')})")
     assert "    [rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:446] Connection refused" in rest
     assert rest[-1].startswith("  what to do: a network problem") and "coordination.socket_ifname" in rest[-1]
 
