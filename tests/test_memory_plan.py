@@ -129,3 +129,17 @@ def test_gpu_example_with_sleep_passes_and_dry_run_prints_the_plan_without_weigh
     assert max(len(line) for line in plan.splitlines()) <= 100
     assert sorted(p.name for p in (tmp_path / "model-7b").iterdir()) == ["config.json"]
     assert not (tmp_path / "run").exists()
+
+
+def test_trainer_without_checkpointing_beside_a_sleeping_engine_is_refused_with_checkpointing_offered(tmp_path):
+    from coordination.config import ConfigError
+    from train.memory_plan import check_memory
+
+    cfg = _cfg(_model(tmp_path), "train.ac.freq=0")
+    with pytest.raises(ConfigError) as exc:
+        check_memory(cfg, "both", 1)
+    msg = str(exc.value)
+    assert "trainer (200.9 GiB peak per GPU)" in msg and "(2.0 GiB asleep)" in msg
+    assert "train.ac.freq=1 train.ac.mode=full (trainer 32.4 + engine 2.0 GiB)" in msg
+    assert "between_iterations=restart" not in msg  # the trainer alone does not fit either
+    assert check_memory(cfg, "update", 1) is None     # pipelined: the engine runs on other nodes

@@ -242,6 +242,9 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
     step = params + grads + optim + reference + overhead
     notes = ["optim_cpu_offload: the optimizer state comes back to the device for each step"] \
         if train.optim_cpu_offload else []
+    other = replace(train.ac, freq=0) if train.ac.freq else replace(train.ac, freq=1, mode="full")
+    other_acts, other_what = _activations(shape, replace(train, ac=other), d, tokens)
+    notes.append(f"activations with {other_what}: {other_acts / GIB:.2f} GiB")
     return TrainerMemory(rows, step, notes)
 
 
