@@ -140,4 +140,24 @@ def dry_run(args, cfg) -> int:
         echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
         if args.job == "bench":
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
+    memory_plan(args, cfg)
     return 0
+
+
+def memory_plan(args, cfg) -> None:
+    """The GPU memory plan (docs/design.md §10.5), when there is a GPU to plan for."""
+    from coordination.config import ConfigError
+    from train.memory_plan import engine_on_gpu, format_plan, make_plan
+
+    if not (engine_on_gpu(cfg, args.debug_mode) or cfg.train.gpu_memory_gib):
+        return
+    click.echo("\n## memory plan per GPU\n")
+    try:
+        plan = make_plan(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
+    except ConfigError as exc:
+        click.echo(f"  no plan: {exc}")
+        return
+    if plan is None:
+        click.echo("  no GPU on this node: set train.gpu_memory_gib (e.g. 80) to see the plan")
+        return
+    click.echo(format_plan(plan))

@@ -215,6 +215,12 @@ def main(**kw) -> None:
             from train.config import check_launch
 
             check_launch(cfg.train, args.num_nodes)
+        if args.job != "bench":
+            from train.memory_plan import check_memory
+
+            # Before run_node writes anything: a trainer and an engine that cannot share the GPUs
+            # would otherwise fail with an out-of-memory error at the first training step.
+            check_memory(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     from coordination.driver import run_node

@@ -121,3 +121,18 @@ def test_lifecycle_reload_and_sleep_wake(engine, tmp_path):
     assert not eng.running
     with pytest.raises(EngineError, match="not a Hugging Face model folder"):
         eng.start(tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the allocator cache exists only there")
+def test_stop_on_cuda_returns_the_engines_memory_to_the_driver(tmp_path):
+    # The trainer of phase 10 runs on the same GPU next; memory the caching allocator still
+    # reserves for the stopped engine would be out of its reach.
+    model_dir = write_tiny_model(tmp_path / "model")
+    eng = TransformersEngine(device="cuda", dtype="float32", max_batch_sequences=16)
+    eng.start(model_dir)
+    ids = eng.tokenizer("1+2=")["input_ids"]
+    eng.generate([ids], 4, Sampling(max_new_tokens=8, temperature=1.0, seed=0))
+    reserved = torch.cuda.memory_reserved()
+    assert reserved > 0
+    eng.stop()
+    assert torch.cuda.memory_reserved() < reserved / 2  # without empty_cache it stays reserved

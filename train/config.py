@@ -155,6 +155,10 @@ class TrainConfig:
     max_attempts: int = option(2, "the driver retries a failed training attempt up to this many attempts in total")
     keep_last: int = option(3, "retention: keep the last K checkpoints (plus eval iterations and the one in use)")
     nproc_per_node: int = option(1, "trainer processes per node (one per GPU on GPU nodes)")
+    gpu_memory_gib: float = option(
+        0.0, "memory of one GPU in GiB for the memory plan (docs/design.md §10.5), which --dry-run prints and which "
+             "refuses at start a run whose trainer and vLLM server do not fit together; 0 = ask GPU 0 of the node "
+             "(set it to plan on a machine without the GPU, e.g. 80)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", "compute dtype; auto = float32 on CPU, bfloat16 on CUDA. Master weights and "
                 "optimizer state stay float32")
@@ -227,6 +231,7 @@ class TrainConfig:
         if self.nproc_per_node < 1:
             raise ConfigError(f"train.nproc_per_node must be at least 1 (got {self.nproc_per_node})")
         positive(self.collective_timeout, "train.collective_timeout")
+        non_negative(self.gpu_memory_gib, "train.gpu_memory_gib")
         if self.fsdp_cpu_offload and self.optim_cpu_offload:
             raise ConfigError("train.fsdp_cpu_offload and train.optim_cpu_offload are mutually exclusive: "
                               "fsdp_cpu_offload already keeps the optimizer state (with parameters and gradients) in "

@@ -130,7 +130,7 @@ def run(plan_path: Path, attempt: int) -> int:
     from coordination.layout import RunLayout
     from train.checkpoint import is_complete, publish_checkpoint
     from train.data import read_plan
-    from train.distributed import init_distributed, launched_world_size, shutdown
+    from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
     from train.results import write_result
 
     rank = int(os.environ.get("RANK", "0"))
@@ -154,7 +154,8 @@ def run(plan_path: Path, attempt: int) -> int:
         return 0
     info = None
     try:
-        info = init_distributed(float(plan["config"]["collective_timeout"]))
+        info = init_distributed(float(plan["config"]["collective_timeout"]),
+                                cpu_offload=offloads_to_cpu(plan["config"]))
         train(plan, layout, iteration, attempt, info)
         return 0
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a non-zero exit and a result record
@@ -184,14 +185,14 @@ def run_bench(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, 
     from coordination import log
     from coordination.config import ConfigError
     from train.benchmark import bench_model, print_and_write, run_bench as bench, train_config_from
-    from train.distributed import init_distributed, shutdown
+    from train.distributed import init_distributed, offloads_to_cpu, shutdown
 
     log.setup(f"bench rank{os.environ.get('RANK', '0')}")
     info = None
     try:
         cfg = train_config_from({}, config_files, overrides)
         with bench_model(opts["model"], opts["bench_seq_len"]) as model_path:
-            info = init_distributed(cfg.collective_timeout)
+            info = init_distributed(cfg.collective_timeout, cpu_offload=offloads_to_cpu(cfg))
             report = bench(cfg, {**opts, "model_path": model_path}, info, entry="trainer",
                            algorithm="grpo" if cfg.algorithm == "grpo" else "rft")
     except ConfigError as exc:

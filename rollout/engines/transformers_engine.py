@@ -16,6 +16,7 @@ weights, so sampling with an adapter costs what it costs without one.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -120,6 +121,18 @@ class TransformersEngine(Engine):
         self.tokenizer = None
         self.model_dir = None
         self.adapter_dir = None
+        self._release_device_memory()
+
+    @staticmethod
+    def _release_device_memory() -> None:
+        """Hand the freed weights and KV tensors back to the driver: PyTorch's caching allocator
+        keeps them reserved otherwise, and the trainer that runs next on the same GPU (phase 10)
+        could not use them. Collect first: a model can sit in reference cycles."""
+        import torch
+
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def reload(self, model_dir: Path) -> None:
         # In-process weights are cheap to load; a fresh load also picks up a changed tokenizer.
