@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 from coordination.node import Node
 from coordination.procgroup import die_with_parent, stop_group
-from coordination.records import ensure_dir
+from coordination.records import ensure_dir, open_own
 
 log = logging.getLogger("baton.children")
 
@@ -32,7 +32,7 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     this node's fence and the peers' heartbeats. A lost peer or a fence stops the child group."""
     ensure_dir(log_file.parent)
     peers = [r for r in peers if r != node.rank]
-    with open(log_file, "ab") as out:
+    with open_own(log_file, "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
         out.flush()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -17,6 +17,15 @@ class _Prefix(logging.Formatter):
         super().__init__(_FMT.format(prefix=prefix), datefmt="%H:%M:%S")
 
 
+class _OwnFileHandler(logging.FileHandler):
+    """A FileHandler that never writes through a link planted in the run folder."""
+
+    def _open(self):
+        from coordination.records import open_own
+
+        return open_own(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors)
+
+
 def setup(prefix: str, log_file: Path | None = None, level: int = logging.INFO) -> logging.Logger:
     """Configure the `baton` logger for this process. Safe to call again (replaces handlers)."""
     root = logging.getLogger("baton")
@@ -29,8 +38,7 @@ def setup(prefix: str, log_file: Path | None = None, level: int = logging.INFO) 
     stream.setFormatter(_Prefix(prefix))
     root.addHandler(stream)
     if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(log_file)
+        fh = _OwnFileHandler(log_file)
         fh.setFormatter(_Prefix(prefix))
         root.addHandler(fh)
     return root

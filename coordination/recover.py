@@ -16,14 +16,14 @@ while a node of the run looks alive.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordination.layout import JOBS, RunLayout, iteration_number
+from coordination.layout import (JOBS, LinkInRunFolder, RunLayout, barrier_phase, check_no_links, iteration_number,
+                                 staging_identity)
 from coordination.phases import BY_NUMBER
-from coordination.records import RecordError, is_temp_name, publish_record, try_read
+from coordination.records import RecordError, is_temp_name, publish_record, remove_tree, try_read
 from coordination.status import StatusReader
 
 
@@ -66,9 +66,11 @@ def _dead_leases(layout: RunLayout, snap: dict) -> list[Item]:
 
 def _staging(layout: RunLayout) -> list[Item]:
     d = layout.checkpoint_staging_dir
+    check_no_links(d)  # a linked .staging would list (and hand over for deletion) another folder's entries
     if not d.exists():
         return []
-    return [Item(p, "checkpoint staging folder of an unfinished training attempt") for p in sorted(d.iterdir())]
+    return [Item(p, "checkpoint staging folder of an unfinished training attempt") for p in sorted(d.iterdir())
+            if staging_identity(p.name) is not None]  # only names baton gives staging folders
 
 
 def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, int]]:
@@ -82,6 +84,7 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
     items, rollback = [], {}
     for job in JOBS:
         sync = layout.job(job).sync_iter_dir(iteration)
+        check_no_links(sync)
         if not sync.exists():
             continue
         later = [n for d in sync.parent.iterdir() if (n := iteration_number(d.name)) is not None and n > iteration]
@@ -90,8 +93,8 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
                 f"--reset-phase {spec}: job {job} already ran iteration {max(later)}; resetting an older iteration "
                 f"would leave later ones decided on its old outputs. Reset the latest iteration, or start a new run.")
         for d in sorted(sync.iterdir()):
-            num = int(d.name.split("-", 1)[0])
-            if num >= phase:
+            num = barrier_phase(d.name)  # None for a name baton never gives a barrier folder: left alone
+            if num is not None and num >= phase:
                 items.append(Item(d, f"flag folder of phase {num} of iteration {iteration} (job {job})"))
                 rollback[job] = iteration - 1
     if not items:
@@ -104,11 +107,16 @@ def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float = 1
          temp_min_age: float = 60.0) -> tuple[list[Item], dict[str, int], dict]:
     layout = RunLayout(log_path)
     snap = StatusReader(layout, peer_timeout).snapshot()
-    items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout)
-    rollback: dict[str, int] = {}
-    if reset_phase:
-        extra, rollback = _reset_items(layout, reset_phase)
-        items += extra
+    try:
+        items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout)
+        rollback: dict[str, int] = {}
+        if reset_phase:
+            extra, rollback = _reset_items(layout, reset_phase)
+            items += extra
+        for it in items:  # refuse the whole plan, before anything is removed, if one item is reached by a link
+            check_no_links(it.path)
+    except LinkInRunFolder as exc:
+        raise RecoverRefused(str(exc)) from None
     return items, rollback, snap
 
 
@@ -118,11 +126,11 @@ def apply(log_path: Path, items: list[Item], rollback: dict[str, int], snap: dic
     if live:
         raise RecoverRefused("these nodes look alive, stop them before recovering: " + "; ".join(live))
     layout = RunLayout(log_path)
-    for it in items:
-        if it.path.is_dir() and not it.path.is_symlink():
-            shutil.rmtree(it.path)
-        else:
-            it.path.unlink(missing_ok=True)
+    try:
+        for it in items:
+            remove_tree(it.path)  # never through a link (checked again: the plan may be old)
+    except LinkInRunFolder as exc:
+        raise RecoverRefused(str(exc)) from None
     run = try_read(layout.run_json, kind="run")
     for job, completed in rollback.items():
         jl = layout.job(job)

@@ -16,7 +16,7 @@ from typing import Any
 from coordination import timeline
 from coordination.layout import JOBS, RunLayout, iteration_number
 from coordination.phases import BY_NUMBER
-from coordination.records import RecordError, try_read
+from coordination.records import RecordError, ensure_dir, try_read
 
 
 def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
@@ -226,7 +226,7 @@ def make_report(log_path: Path, out: Path | None = None) -> dict[str, Any]:
     if try_read(layout.run_json, kind="run") is None:
         raise FileNotFoundError(f"no baton run in {log_path} (no readable run.json); check --log-path")
     out = Path(out) if out else layout.report_dir
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_dir(out)
     metrics = load_metrics(layout)
     pngs = [plot_learning(metrics, out), plot_timeline(load_spans(layout), out), plot_throughput(metrics, out),
             plot_loss(metrics, out)]

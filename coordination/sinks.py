@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from coordination.layout import RunLayout
+from coordination.records import ensure_dir
 
 log = logging.getLogger("baton.sinks")
 
@@ -48,7 +49,7 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
 
         run = _writers.get("wandb")
         if run is None:
-            layout.wandb_dir.mkdir(parents=True, exist_ok=True)
+            ensure_dir(layout.wandb_dir)
             run = _writers["wandb"] = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir),
                                                  mode=cfg.wandb.mode, name=layout.root.name)
         run.log(values, step=step)

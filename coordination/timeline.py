@@ -9,13 +9,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coordination.records import FILE_MODE, ensure_dir
+from coordination.records import ensure_dir, own_opener
 
 
 def append(path: Path, event: dict[str, Any]) -> None:
     ensure_dir(Path(path).parent)
     line = (json.dumps(event, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = own_opener(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # never through a planted link
     try:
         os.write(fd, line)  # one write of a short line: never interleaved with a half line
     finally:

@@ -110,6 +110,9 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 def main(as_json: bool, levers: bool, **opts) -> None:
     """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU),
     or with --levers each memory/speed lever against plain."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     from train.tiny import write_tiny_model
 
     if levers:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from coordination import log
 from coordination.procgroup import die_with_parent
+from coordination.records import open_own
 from rollout.engine import EngineError
 from rollout.inference import VLLMConfig, is_loopback
 
@@ -210,10 +211,9 @@ class ServerProcess:
         return log_tail(self.log_file, lines, self.log_start)
 
     def start(self) -> None:
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in self.spec.drop_env}
         env.update(self.spec.env)
-        with open(self.log_file, "ab") as out:
+        with open_own(self.log_file, "ab") as out:
             self.log_start = out.tell()
             out.write(f"\n=== baton: {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {self.spec.command_text()}\n"
                       .encode())
