@@ -53,6 +53,12 @@ def _root_of(path: str) -> str | None:
     return best
 
 
+def in_run_folder(path: Path) -> bool:
+    """True when `path` lies in a run folder this process works in (no filesystem access)."""
+    p = os.path.abspath(path)
+    return p in _VERIFIED or _root_of(p) is not None
+
+
 def check_no_links(path: Path) -> bool:
     """Refuse a symbolic link anywhere from the run root down to `path` (inclusive).
 

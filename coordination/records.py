@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from coordination import fsops
-from coordination.layout import LinkInRunFolder, check_no_links, forget_verified
+from coordination.layout import LinkInRunFolder, check_no_links, forget_verified, in_run_folder
 
 FORMAT = "baton/1"
 
@@ -100,17 +100,31 @@ def ensure_dir(path: Path) -> Path:
 
 def own_opener(path: str, flags: int) -> int:
     """`opener=` for `open()` on a file baton owns under a run folder: never through a link
-    (O_NOFOLLOW on the file, `check_no_links` on its folders), created with FILE_MODE."""
-    if check_no_links(Path(path).parent):
+    (O_NOFOLLOW on the file, `check_no_links` on its folders), created with FILE_MODE.
+
+    A writer checks the folders before it opens. A reader checks them once the file opened
+    (before a byte is read), so polling for a file that does not exist yet costs nothing more
+    than the open itself (docs/design.md §5 rule 5)."""
+    parent = Path(path).parent
+    writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+    inside = check_no_links(parent) if writing else in_run_folder(parent)
+    if inside:
         flags |= os.O_NOFOLLOW
     try:
-        return os.open(path, flags, FILE_MODE)
+        fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
         if exc.errno == errno.ELOOP and stat.S_ISLNK(os.lstat(path).st_mode):
             raise LinkInRunFolder(
                 f"{path} is a symbolic link (to {os.readlink(path)}) where baton keeps its own file; baton "
                 f"refuses to write or read through it. Remove the link (`rm {path}`) and start again") from None
         raise
+    if inside and not writing:
+        try:
+            check_no_links(parent)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
 
 
 def open_own(path: Path, mode: str = "rb", **kw: Any):

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from coordination.layout import chunk_identity
+from coordination.layout import check_no_links, chunk_identity
 from coordination.records import Record, publish_record, read_record
 from rollout import store
 
@@ -44,6 +44,7 @@ class ChunkFile:
 
 def list_chunks(rank_dir: Path) -> list[ChunkFile]:
     """Chunk files of a rank folder in (sequence, generation) order; temp files are skipped."""
+    check_no_links(rank_dir)  # never take a linked folder's files for this rank's chunks
     try:
         names = [p.name for p in Path(rank_dir).iterdir()]
     except FileNotFoundError:

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from coordination.layout import check_no_links
 from coordination.records import atomic_output
 
 SCHEMA = pa.schema([
@@ -62,6 +63,7 @@ def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
 def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
     """Read one trajectory file, checking its schema. Errors name the file."""
     path = Path(path)
+    check_no_links(path)  # a chunk linked in from elsewhere is not ours to read
     try:
         table = pq.read_table(path, columns=columns)
     except FileNotFoundError:

@@ -223,16 +223,24 @@ def test_links_above_the_run_folder_are_the_users_choice(tmp_path):
 
 
 def test_barrier_polling_checks_each_folder_once(tmp_path, monkeypatch):
+    from coordination.records import try_read
+
     lay = _run(tmp_path / "run")
-    _write_arrival(lay)
-    path = lay.job("both").arrival(3, 10, "train", 0)
-    read_record(path)
     calls = []
     real_lstat = os.lstat
     monkeypatch.setattr(os, "lstat", lambda p, *a, **k: calls.append(p) or real_lstat(p, *a, **k))
+    go = lay.job("both").go(3, 10, "train")
+    for _ in range(100):  # waiting for a GO whose folder does not exist yet: only the open
+        assert try_read(go) is None
+    assert calls == []
+    _write_arrival(lay)  # creates the barrier folder: its folders are checked once here
+    path = lay.job("both").arrival(3, 10, "train", 0)
+    read_record(path)
+    calls.clear()
     for _ in range(100):
         read_record(path)
         _write_arrival(lay)
+        assert try_read(go) is None
     assert calls == [], "a verified folder was checked again"
 
 
@@ -320,3 +328,83 @@ def test_an_entrypoint_under_umask_000_writes_nothing_world_accessible(tmp_path,
     assert res.returncode == 0, res.stderr
     assert (out / "config.json").exists()
     assert _too_wide(out) == []
+
+
+# -- the same promises on a real run (scripts/run.sh, tiny model, torchrun) ----------------------------
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from tests.e2e import make_assets
+
+    return make_assets(tmp_path_factory.mktemp("e2e-assets"))
+
+
+def _start(procs, name: str, assets, log: Path) -> None:
+    from tests.e2e import node_cmd
+
+    data, model = assets
+    procs.start(name, node_cmd(data, model, log, "--rl-phase", "both", "--eval-interval", "0",
+                               overrides=("run.max_iterations=2",)))
+
+
+def _stopped_after_iteration_1(procs, assets, log: Path) -> RunLayout:
+    """A one-node run of 2 iterations, killed as soon as LATEST names checkpoint 1; a restart
+    with the same command continues with iteration 2."""
+    import signal
+    import time
+
+    from coordination.records import try_read
+
+    _start(procs, "first", assets, log)
+    lay = RunLayout(log)
+    deadline = time.monotonic() + 300
+    while (rec := try_read(lay.latest)) is None or rec.data["iteration"] < 1:
+        assert procs.procs["first"].poll() is None, procs.log("first")[-3000:]
+        assert time.monotonic() < deadline, "iteration 1 did not publish in 300 s"
+        time.sleep(0.02)
+    procs.signal("first", signal.SIGKILL)
+    procs.wait("first", 30)
+    assert not (lay.checkpoint(2)).exists(), "the node got to iteration 2's publication before it was killed"
+    return lay
+
+
+@pytest.mark.slow
+def test_a_run_under_umask_000_then_restarted_with_a_linked_staging_folder(procs, tmp_path, assets, victim,
+                                                                           umask_000):
+    """The run's files stay private although the user's umask is 000; the restart stops with a
+    message naming the planted link instead of training into (and deleting from) its target."""
+    from tests.e2e import fresh_log
+
+    lay = _stopped_after_iteration_1(procs, assets, fresh_log(tmp_path))
+    assert _too_wide(lay.root) == []
+    remove_tree(lay.checkpoint_staging_dir)
+    _plant(lay.checkpoint_staging_dir, victim)
+    _start(procs, "restart", assets, lay.root)
+    assert procs.wait_all(400)["restart"] != 0, procs.log("restart")[-3000:]
+    assert f"{lay.checkpoint_staging_dir} is a symbolic link" in procs.log("restart")
+    assert read_record(lay.latest).data["iteration"] == 1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_run_in_checkpoints_is_never_adopted(procs, tmp_path, assets):
+    """checkpoints/iter-2 holds a complete checkpoint whose marker names another run: the restarted
+    run stops naming both run ids; it neither skips training as "already published" nor moves LATEST."""
+    import shutil
+
+    from tests.e2e import fresh_log
+    from train.checkpoint import list_files, mark_complete
+
+    lay = _stopped_after_iteration_1(procs, assets, fresh_log(tmp_path))
+    ours = read_record(lay.run_json).run_id
+    foreign = tmp_path / "other-run-iter-2"
+    shutil.copytree(lay.checkpoint(1), foreign)
+    (foreign / "baton-complete.json").unlink()
+    mark_complete(foreign, iteration=2, run_id="run-from-elsewhere")
+    assert list_files(foreign)
+    shutil.copytree(foreign, lay.checkpoint(2))
+    _start(procs, "restart", assets, lay.root)
+    assert procs.wait_all(400)["restart"] != 0, procs.log("restart")[-3000:]
+    out = procs.log("restart")
+    assert "run-from-elsewhere" in out and ours in out, out[-3000:]
+    assert read_record(lay.latest).data["iteration"] == 1
+    assert not (lay.metrics(2)).exists()
