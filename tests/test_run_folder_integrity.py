@@ -408,3 +408,30 @@ def test_a_checkpoint_of_another_run_in_checkpoints_is_never_adopted(procs, tmp_
     assert "run-from-elsewhere" in out and ours in out, out[-3000:]
     assert read_record(lay.latest).data["iteration"] == 1
     assert not (lay.metrics(2)).exists()
+
+
+def test_training_data_is_never_prepared_from_another_runs_trajectories(tmp_path):
+    from rollout import store
+    from train.config import TrainConfig
+    from train.data import TrainingDataError, prepare_training_data
+
+    lay = _run(tmp_path / "run")
+    row = dict(task_id="t", sample_index=0, prompt="p", prompt_ids=[1, 5], completion_ids=[6, 2],
+               logprobs=[-0.5, -0.5], text="x", reward=1.0, finish_reason="stop", policy_iteration=0, iteration=1,
+               split="train", rank=0, generation=1)
+    store.write_rows(lay.rollout_all("train", 1), [row, dict(row, sample_index=1, reward=0.0)], run_id="run-a")
+    with pytest.raises(TrainingDataError, match="belongs to run run-a, not to this run run-b"):
+        prepare_training_data(lay, 1, TrainConfig(micro_batch_tokens=64), run_id=RUN, world_size=1,
+                              temperature=1.0, input_checkpoint=tmp_path / "base", input_iteration=0)
+    assert not lay.training_plan(1).exists()
+
+
+def test_the_trainer_refuses_a_plan_of_another_run(tmp_path):
+    lay = _run(tmp_path / "run")
+    publish_record(lay.training_plan(2), "training-plan", {"steps": [], "world_size": 1}, run_id="run-a",
+                   generation=1)
+    res = subprocess.run([sys.executable, "-m", "train.trainer", "--plan", str(lay.training_plan(2))], cwd=ROOT,
+                         env=env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "belongs to run run-a, not to this run run-b" in res.stderr, res.stderr
+    assert not lay.checkpoint(2).exists() and not lay.latest.exists()

@@ -67,7 +67,7 @@ def write_trajectories(layout: RunLayout, iteration: int, model_dir: Path, *, ta
                          "split": "train", "rank": 0, "generation": 1})
     for row, lp in zip(rows, model_logprobs(model_dir, prompts, completions)):
         row["logprobs"] = lp
-    return store.write_rows(layout.rollout_all("train", iteration), rows)
+    return store.write_rows(layout.rollout_all("train", iteration), rows, run_id="run-t")
 
 
 def free_port() -> int:

@@ -39,7 +39,7 @@ def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, compl
                          "completion_ids": completion, "logprobs": [-4.6] * completion_tokens, "text": "",
                          "reward": float(rng.random() < 0.5), "finish_reason": "stop", "policy_iteration": 0,
                          "iteration": 1, "split": "train", "rank": 0, "generation": 1})
-    store.write_rows(layout.rollout_all("train", 1), rows)
+    store.write_rows(layout.rollout_all("train", 1), rows, run_id="bench")
 
 
 def _free_port() -> int:
