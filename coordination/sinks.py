@@ -40,7 +40,8 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
 
         w = _writers.get("tb")
         if w is None:
-            w = _writers["tb"] = SummaryWriter(log_dir=str(layout.tensorboard_dir))
+            # ensure_dir refuses a linked tensorboard/ (docs/design.md §5 rule 11)
+            w = _writers["tb"] = SummaryWriter(log_dir=str(ensure_dir(layout.tensorboard_dir)))
         for k, v in values.items():
             w.add_scalar(k, v, step)
         w.flush()
