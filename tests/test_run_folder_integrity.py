@@ -435,3 +435,25 @@ def test_the_trainer_refuses_a_plan_of_another_run(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert "belongs to run run-a, not to this run run-b" in res.stderr, res.stderr
     assert not lay.checkpoint(2).exists() and not lay.latest.exists()
+
+
+def test_a_node_restarted_with_a_linked_driver_log_is_refused_with_one_message(procs, tmp_path, assets, victim):
+    """The first file a node opens for itself: exit 3 (refused), the message names the link, and
+    the log it points at gets not a byte."""
+    import signal
+
+    from tests.e2e import fresh_log
+    from tests.procs import wait_for_text
+
+    log = fresh_log(tmp_path)
+    _start(procs, "first", assets, log)
+    wait_for_text(procs, "first", "logs of this rank", 120)
+    procs.signal("first", signal.SIGKILL)
+    procs.wait("first", 30)
+    driver_log = RunLayout(log).job("both").log_file(0, "driver")
+    driver_log.unlink()
+    _plant(driver_log, victim / "driver.log")
+    _start(procs, "restart", assets, log)
+    assert procs.wait("restart", 120) == 3, procs.log("restart")[-3000:]
+    out = procs.log("restart")
+    assert "driver.log is a symbolic link" in out and "Traceback" not in out, out[-3000:]
