@@ -105,7 +105,7 @@ def own_opener(path: str, flags: int) -> int:
     A writer checks the folders before it opens. A reader checks them once the file opened
     (before a byte is read), so polling for a file that does not exist yet costs nothing more
     than the open itself (docs/design.md §5 rule 5)."""
-    parent = Path(path).parent
+    parent = os.path.dirname(os.path.abspath(path))  # plain strings: this runs on every barrier poll
     writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
     inside = check_no_links(parent) if writing else in_run_folder(parent)
     if inside:

@@ -437,6 +437,7 @@ def test_the_trainer_refuses_a_plan_of_another_run(tmp_path):
     assert not lay.checkpoint(2).exists() and not lay.latest.exists()
 
 
+@pytest.mark.slow
 def test_a_node_restarted_with_a_linked_driver_log_is_refused_with_one_message(procs, tmp_path, assets, victim):
     """The first file a node opens for itself: exit 3 (refused), the message names the link, and
     the log it points at gets not a byte."""
