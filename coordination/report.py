@@ -16,7 +16,7 @@ from typing import Any
 from coordination import timeline
 from coordination.layout import JOBS, RunLayout, iteration_number
 from coordination.phases import BY_NUMBER
-from coordination.records import RecordError, ensure_dir, try_read
+from coordination.records import RecordError, atomic_output, ensure_dir, publish_bytes, try_read
 
 
 def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
@@ -73,7 +73,8 @@ def _fig(title: str):
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_output(path) as tmp:  # replaces, never writes through, a link planted at `path`
+        fig.savefig(tmp, format="png")
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
@@ -193,7 +194,7 @@ def write_summary(layout: RunLayout, metrics: list[dict], pngs: list[Path], out:
     lines += ["", "Phase seconds are the slowest rank's working time in that phase.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     path = out / "summary.md"
-    path.write_text("\n".join(lines) + "\n")
+    publish_bytes(path, ("\n".join(lines) + "\n").encode())
     return path
 
 

@@ -458,3 +458,14 @@ def test_a_node_restarted_with_a_linked_driver_log_is_refused_with_one_message(p
     assert procs.wait("restart", 120) == 3, procs.log("restart")[-3000:]
     out = procs.log("restart")
     assert "driver.log is a symbolic link" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_report_replaces_a_planted_link_instead_of_writing_through_it(tmp_path, victim):
+    from coordination.report import make_report
+
+    lay = _run(tmp_path / "run")
+    _write_metrics(lay)
+    _plant(lay.report_dir / "summary.md", victim / "precious.txt")
+    res = make_report(lay.root, None)
+    summary = lay.report_dir / "summary.md"
+    assert not summary.is_symlink() and "| 3 |" in summary.read_text(), res
