@@ -28,6 +28,9 @@ def cannot_write(exc: OSError, what: str, fix: str) -> CannotWrite:
 @click.group()
 def main() -> None:
     """Inspect and steer a baton run through its shared log path."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
 
 
 @main.command()

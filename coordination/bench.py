@@ -212,6 +212,9 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
 def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_iterations, node_rank, slow, fail,
          max_attempts, heartbeat_interval, peer_timeout, rejoin_timeout, gc_keep_iterations, join_timeout):
     """Measure the coordination protocol's own cost on one log path."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if node_rank is not None:
         if log_path is None:
             raise click.UsageError("--node-rank needs --log-path")

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 from coordination.diagnose import relevant_lines
 from coordination.node import Node
 from coordination.procgroup import die_with_parent, stop_group
-from coordination.records import ensure_dir
+from coordination.records import ensure_dir, open_own
 
 log = logging.getLogger("baton.children")
 
@@ -40,7 +40,7 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     node.check_fence()  # a superseded node neither starts a child nor touches its log
     ensure_dir(log_file.parent)
     peers = [r for r in peers if r != node.rank]
-    with open(log_file, "ab") as out:
+    with open_own(log_file, "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
         out.flush()
         start = out.tell()  # this attempt's output begins here

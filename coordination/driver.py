@@ -23,7 +23,7 @@ from coordination.layout import RunLayout
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, JOB_PHASES
 from coordination.progress import Progress
-from coordination.records import ensure_dir, publish_bytes, publish_record
+from coordination.records import ensure_dir, open_own, publish_bytes, publish_record
 from coordination.run_cli import RunArgs
 from coordination.runconfig import RunConfig
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
@@ -62,7 +62,7 @@ class StepProgress:
 
     def update(self) -> None:
         try:
-            with open(self.log_file, "rb") as fh:
+            with open_own(self.log_file, "rb") as fh:
                 fh.seek(self.offset)
                 chunk = fh.read()
         except FileNotFoundError:
@@ -199,7 +199,7 @@ class RLJob:
         if iteration == 0:
             return 0, Path(self.cfg.model.path)
         folder = self.layout.checkpoint(iteration)
-        if not is_complete(folder):
+        if not is_complete(folder, run_id=self.node.run_id):
             raise RuntimeError(f"checkpoint {folder} is missing or incomplete; it is needed as the policy of "
                                f"iteration {iteration + 1}")
         return iteration, folder
@@ -299,7 +299,7 @@ class RLJob:
             return v
         from train.checkpoint import read_latest
 
-        latest = read_latest(self.layout)
+        latest = read_latest(self.layout, run_id=self.node.run_id)
         chosen = latest[0] if latest else 0
         if self.args.job == "eval":
             chosen = step.iteration - 1  # evaluate exactly the checkpoint of the previous iteration
@@ -340,7 +340,7 @@ class RLJob:
     def checkpoint_done(self, iteration: int) -> bool:
         from train.checkpoint import is_complete
 
-        return is_complete(self.layout.checkpoint(iteration))
+        return is_complete(self.layout.checkpoint(iteration), run_id=self.node.run_id)
 
     def prepare(self, step: Step) -> dict:
         from train.data import prepare_training_data

@@ -15,12 +15,14 @@ def classify(exc: BaseException) -> int:
     """The exit code for an exception that ends a node."""
     from coordination.claims import ClaimRefused, Fenced
     from coordination.config import ConfigError
+    from coordination.layout import LinkInRunFolder
     from coordination.manifest import JoinRefused, UnusableLogPath
     from coordination.node import PeerLost
     from coordination.records import BrokenRecord
     from coordination.runner import PhaseFailed
 
-    table = ((ConfigError, USAGE), (UnusableLogPath, USAGE), (JoinRefused, REFUSED), (ClaimRefused, REFUSED), (PeerLost, PEER_LOST),
+    table = ((ConfigError, USAGE), (UnusableLogPath, USAGE), (JoinRefused, REFUSED), (ClaimRefused, REFUSED),
+             (LinkInRunFolder, REFUSED), (PeerLost, PEER_LOST),
              (Fenced, FENCED), (PhaseFailed, ABORTED), (BrokenRecord, BROKEN))
     for cls, code in table:
         if isinstance(exc, cls):

@@ -7,7 +7,10 @@ name is ever reused while a run is live (protocol rule 4).
 """
 from __future__ import annotations
 
+import os
 import re
+import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,88 @@ SPLITS = ("train", "eval")
 _CLAIM_RE = re.compile(r"^claim-(\d+)$")
 _CHUNK_RE = re.compile(r"^chunk-(\d+)-g(\d+)\.parquet$")
 _ITER_RE = re.compile(r"^iter-(\d+)$")
+
+
+class LinkInRunFolder(RuntimeError):
+    """A symbolic link inside a run folder, where baton expects its own folder or file."""
+
+
+# Run folders this process works in (absolute, lexical), registered by every RunLayout. Paths
+# below one of them are checked for links; links above it (the user's own choice of where the
+# log path lives) are not our business.
+_ROOTS: set[str] = set()
+# Directories below a run root already seen to be real directories with no link on the way from
+# the root. Checking is then one set lookup, so barrier polling costs no extra metadata operation
+# (docs/design.md §5 rule 5); the cache lives as long as the process, and `forget_verified` drops
+# what baton itself deletes.
+_VERIFIED: set[str] = set()
+_lock = threading.Lock()
+
+
+def _register_root(root: Path) -> None:
+    with _lock:
+        _ROOTS.add(os.path.abspath(root))
+
+
+def _root_of(path: str) -> str | None:
+    """The innermost registered run root that holds `path` (or is it), else None."""
+    best = None
+    for root in _ROOTS:
+        if (path == root or path.startswith(root.rstrip(os.sep) + os.sep)) and (best is None or len(root) > len(best)):
+            best = root
+    return best
+
+
+def in_run_folder(path: Path) -> bool:
+    """True when `path` lies in a run folder this process works in (no filesystem access)."""
+    p = os.path.abspath(path)
+    return p in _VERIFIED or _root_of(p) is not None
+
+
+def check_no_links(path: Path) -> bool:
+    """Refuse a symbolic link anywhere from the run root down to `path` (inclusive).
+
+    baton never creates links in a run folder (docs/design.md §5 rule 11), so a link there was
+    planted, and writing, reading or deleting through it would touch files outside the run --
+    another run's barrier, a user's folder. Components that do not exist yet are fine (they will
+    be created as real folders). Returns True when `path` lies in a registered run folder (the
+    caller then also opens the last component with O_NOFOLLOW), False for paths outside every
+    run folder, which are not checked."""
+    p = os.path.abspath(path)
+    if p in _VERIFIED:
+        return True
+    root = _root_of(p)
+    if root is None:
+        return False
+    cur = root
+    for part in Path(p).relative_to(root).parts:
+        cur = os.path.join(cur, part)
+        if cur in _VERIFIED:
+            continue
+        try:
+            st = os.lstat(cur)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        if stat.S_ISLNK(st.st_mode):
+            raise LinkInRunFolder(
+                f"{cur} is a symbolic link (to {os.readlink(cur)}) inside the run folder {root}; baton never "
+                f"creates links there and refuses to write, read or delete through one, so that nothing "
+                f"outside the run is touched. Remove the link (`rm {cur}` removes only the link, not what it "
+                f"points to) and start again")
+        if not stat.S_ISDIR(st.st_mode):
+            return True  # a file: the last component, or a path the caller's own call will reject
+        with _lock:
+            _VERIFIED.add(cur)
+    return True
+
+
+def forget_verified(path: Path) -> None:
+    """Drop `path` and everything below it from the cache of verified folders (it was deleted)."""
+    p = os.path.abspath(path)
+    prefix = p.rstrip(os.sep) + os.sep
+    with _lock:
+        for d in [d for d in _VERIFIED if d == p or d.startswith(prefix)]:
+            _VERIFIED.discard(d)
 
 
 def _check_job(job: str) -> None:
@@ -39,6 +124,16 @@ def iteration_number(name: str) -> int | None:
 def chunk_identity(name: str) -> tuple[int, int] | None:
     """`chunk-00003-g2.parquet` -> (3, 2) = (sequence number, writer generation); else None."""
     m = _CHUNK_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+_STAGING_RE = re.compile(r"^iter-(\d+)\.a(\d+)$")
+_BARRIER_RE = re.compile(r"^(\d\d)-[a-z0-9-]+(\.a\d+)?$")
+
+
+def staging_identity(name: str) -> tuple[int, int] | None:
+    """`iter-3.a2` (a checkpoint staging folder) -> (3, 2) = (iteration, attempt); else None."""
+    m = _STAGING_RE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
@@ -66,6 +161,7 @@ class RunLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+        _register_root(self.root)
 
     # -- run level -------------------------------------------------------------------------
     @property

@@ -13,10 +13,16 @@ from pathlib import Path
 _FMT = "%(asctime)s [{prefix}] %(levelname)s %(name)s: %(message)s"
 
 
-class _FencedFile(logging.FileHandler):
-    """The rank's log file, silent once this process knows it was superseded (docs/design.md §5
-    rule 7: a fenced process writes nothing under the log path; its last words go to stderr).
-    Probes the fence at most once a second, so a process woken from a pause stops at once."""
+class _RankLogFile(logging.FileHandler):
+    """The rank's log file. Never opened through a link planted in the run folder, and silent
+    once this process knows it was superseded (docs/design.md §5 rule 7: a fenced process writes
+    nothing under the log path; its last words go to stderr). Probes the fence at most once a
+    second, so a process woken from a pause stops at once."""
+
+    def _open(self):
+        from coordination.records import open_own
+
+        return open_own(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors)
 
     def emit(self, record: logging.LogRecord) -> None:
         from coordination.records import fence_noticed
@@ -42,8 +48,7 @@ def setup(prefix: str, log_file: Path | None = None, level: int = logging.INFO) 
     stream.setFormatter(_Prefix(prefix))
     root.addHandler(stream)
     if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        fh = _FencedFile(log_file)
+        fh = _RankLogFile(log_file)
         fh.setFormatter(_Prefix(prefix))
         root.addHandler(fh)
     return root

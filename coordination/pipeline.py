@@ -54,7 +54,7 @@ def wait_for_checkpoint(rl: "RLJob", need: int) -> None:
     from train.checkpoint import read_latest
 
     def probe():
-        latest = read_latest(rl.layout)
+        latest = read_latest(rl.layout, run_id=rl.node.run_id)
         return True if latest is not None and latest[0] >= need else None
 
     rl.node.say(f"waiting for checkpoint iteration >= {need} from the update job", beat=True)

@@ -16,7 +16,9 @@ import errno
 import json
 import os
 import secrets
+import shutil
 import socket
+import stat
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -24,12 +26,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from coordination import fsops
+from coordination.layout import LinkInRunFolder, check_no_links, forget_verified, in_run_folder
 
 FORMAT = "baton/1"
 
 # Files are group-readable, never world-writable (protocol rule 11).
 FILE_MODE = 0o640
 DIR_MODE = 0o750
+# Set by every entrypoint that writes (`restrict_umask`), so files that libraries create with
+# their own modes (Hugging Face save_pretrained, Parquet, torchrun's children) are no wider.
+UMASK = 0o027
 
 _HOST = socket.gethostname()
 
@@ -161,10 +167,87 @@ class Record:
     path: Path = field(compare=False)
 
 
+def restrict_umask() -> None:
+    """Make everything this process and its children create at most 0o750 / 0o640, whatever the
+    user's umask (docs/design.md §5 rule 11). Call first thing in an entrypoint that writes."""
+    os.umask(UMASK)
+
+
 def ensure_dir(path: Path) -> Path:
-    """mkdir -p with the project's permissions (no world access)."""
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    """mkdir -p with the project's permissions (no world access) on every folder it creates.
+
+    `Path.mkdir(parents=True)` gives the mode only to the last folder (the parents get
+    0o777 minus the umask), so missing parents are made one by one. Refuses a link on the way
+    inside a run folder (`layout.check_no_links`)."""
+    path = Path(path)
+    check_no_links(path)
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileNotFoundError:
+        ensure_dir(path.parent)
+        try:
+            path.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            pass  # another process made it between our two calls
+    except FileExistsError:
+        if not path.is_dir():
+            raise NotADirectoryError(f"{path} exists and is not a folder; move it away") from None
     return path
+
+
+def own_opener(path: str, flags: int) -> int:
+    """`opener=` for `open()` on a file baton owns under a run folder: never through a link
+    (O_NOFOLLOW on the file, `check_no_links` on its folders), created with FILE_MODE.
+
+    A writer checks the folders before it opens. A reader checks them once the file opened
+    (before a byte is read), so polling for a file that does not exist yet costs nothing more
+    than the open itself (docs/design.md §5 rule 5)."""
+    parent = os.path.dirname(os.path.abspath(path))  # plain strings: this runs on every barrier poll
+    writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+    inside = check_no_links(parent) if writing else in_run_folder(parent)
+    if inside:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and stat.S_ISLNK(os.lstat(path).st_mode):
+            raise LinkInRunFolder(
+                f"{path} is a symbolic link (to {os.readlink(path)}) where baton keeps its own file; baton "
+                f"refuses to write or read through it. Remove the link (`rm {path}`) and start again") from None
+        raise
+    if inside and not writing:
+        try:
+            check_no_links(parent)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def open_own(path: Path, mode: str = "rb", **kw: Any):
+    """`open()` of a file baton owns (a log, a timeline): see `own_opener`."""
+    if any(c in mode for c in "wax+"):
+        ensure_dir(Path(path).parent)
+    return open(path, mode, opener=own_opener, **kw)
+
+
+def remove_tree(path: Path, *, ignore_errors: bool = False) -> None:
+    """Delete a folder (or file) baton made, never through a link: a link at `path` or on the way
+    to it inside the run folder is refused (`layout.check_no_links`), and `shutil.rmtree` does not
+    follow links inside the tree (it unlinks them)."""
+    path = Path(path)
+    check_no_links(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):  # outside every run folder: still never follow it
+        raise LinkInRunFolder(f"{path} is a symbolic link where baton expects its own folder; remove the link by hand")
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+    else:
+        os.unlink(path)
+    forget_verified(path)
 
 
 def _temp_name(target: Path) -> Path:
@@ -210,6 +293,7 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
     target = Path(target)
     _fence_precheck()
     fsops.count("publish", 2)  # create + rename
+    check_no_links(target.parent)  # cached per folder: no extra operation once seen
     tmp = _temp_name(target)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
@@ -312,7 +396,7 @@ def read_record(path: Path, *, kind: str | None = None, run_id: str | None = Non
     ESTALE (NFS: the file was replaced under an open handle) counts as "not there yet"."""
     fsops.count("open")
     try:
-        with open(path, "rb") as fh:
+        with open(path, "rb", opener=own_opener) as fh:
             raw = fh.read()
     except FileNotFoundError:
         raise Missing(f"{path}: does not exist") from None
@@ -336,7 +420,8 @@ class PatientReader:
 
     A file that exists but does not validate is retried; once it has stayed broken for
     `broken_after` seconds (on `clock`), `read` raises BrokenRecord naming the file and the
-    last problem. A missing file is simply "not there yet" and never broken."""
+    last problem. A missing file is simply "not there yet" and never broken. A valid record of
+    another run raises WrongRun at once: no retry turns it into ours."""
 
     def __init__(self, broken_after: float = 60.0, clock: Callable[[], float] = time.monotonic):
         self.broken_after = broken_after
@@ -350,7 +435,7 @@ class PatientReader:
         except Missing:
             self._broken_since.pop(path, None)
             return None
-        except (NotThereYet, WrongRun) as exc:
+        except NotThereYet as exc:
             since = self._broken_since.setdefault(path, self.clock())
             if self.clock() - since > self.broken_after:
                 raise BrokenRecord(

@@ -18,7 +18,6 @@ peer_timeout, and never trusts the wall time a heartbeat carries (clocks differ 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,10 @@ from typing import Callable
 
 from coordination.clock import Clock
 from coordination.heartbeat import KIND as HEARTBEAT_KIND
-from coordination.layout import JOBS, RunLayout, barrier_identity, iteration_number
+from coordination.layout import JOBS, LinkInRunFolder, RunLayout, barrier_identity, check_no_links, iteration_number, \
+    staging_identity
 from coordination.phases import BY_NUMBER, PHASES
-from coordination.records import RecordError, is_temp_name, publish_record, try_read
+from coordination.records import RecordError, is_temp_name, publish_record, remove_tree, try_read
 from coordination.status import GONE, StatusReader
 
 
@@ -71,9 +71,11 @@ def _dead_leases(layout: RunLayout, snap: dict) -> list[Item]:
 
 def _staging(layout: RunLayout) -> list[Item]:
     d = layout.checkpoint_staging_dir
+    check_no_links(d)  # a linked .staging would list (and hand over for deletion) another folder's entries
     if not d.exists():
         return []
-    return [Item(p, "checkpoint staging folder of an unfinished training attempt") for p in sorted(d.iterdir())]
+    return [Item(p, "checkpoint staging folder of an unfinished training attempt") for p in sorted(d.iterdir())
+            if staging_identity(p.name) is not None]  # only names baton gives staging folders
 
 
 class BadResetSpec(RecoverRefused):
@@ -104,6 +106,7 @@ def _reset_items(layout: RunLayout, spec: str) -> tuple[list[Item], dict[str, in
     items, rollback = [], {}
     for job in JOBS:
         sync = layout.job(job).sync_iter_dir(iteration)
+        check_no_links(sync)
         if not sync.exists():
             continue
         later = [n for d in sync.parent.iterdir() if (n := iteration_number(d.name)) is not None and n > iteration]
@@ -154,11 +157,16 @@ def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float | N
          temp_min_age: float = 60.0, *, for_apply: bool = False, clock: Clock | None = None,
          progress: Callable[[str], None] | None = None) -> tuple[list[Item], dict[str, int], dict]:
     layout = RunLayout(log_path)
-    # A reset that cannot be done (a typo, an iteration that never ran there or that later ones
-    # build on) is reported before the watch, which can take up to peer_timeout.
-    extra, rollback = _reset_items(layout, reset_phase) if reset_phase else ([], {})
-    snap = watch_ranks(layout, peer_timeout, for_apply=for_apply, clock=clock, progress=progress)
-    items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout) + extra
+    try:
+        # A reset that cannot be done (a typo, an iteration that never ran there or that later
+        # ones build on) is reported before the watch, which can take up to peer_timeout.
+        extra, rollback = _reset_items(layout, reset_phase) if reset_phase else ([], {})
+        snap = watch_ranks(layout, peer_timeout, for_apply=for_apply, clock=clock, progress=progress)
+        items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout) + extra
+        for it in items:  # refuse the whole plan, before anything is removed, if one item is reached by a link
+            check_no_links(it.path)
+    except LinkInRunFolder as exc:
+        raise RecoverRefused(str(exc)) from None
     return items, rollback, snap
 
 
@@ -187,11 +195,11 @@ def _check_nothing_runs(layout: RunLayout, snap: dict) -> None:
 def apply(log_path: Path, items: list[Item], rollback: dict[str, int], snap: dict) -> None:
     _check_nothing_runs(RunLayout(log_path), snap)
     layout = RunLayout(log_path)
-    for it in items:
-        if it.path.is_dir() and not it.path.is_symlink():
-            shutil.rmtree(it.path)
-        else:
-            it.path.unlink(missing_ok=True)
+    try:
+        for it in items:
+            remove_tree(it.path)  # never through a link (checked again: the plan may be old)
+    except LinkInRunFolder as exc:
+        raise RecoverRefused(str(exc)) from None
     run = try_read(layout.run_json, kind="run")
     for job, completed in rollback.items():
         jl = layout.job(job)

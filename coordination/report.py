@@ -17,7 +17,7 @@ from typing import Any
 
 from coordination import timeline
 from coordination.layout import JOBS, RunLayout, iteration_number
-from coordination.records import RecordError, try_read
+from coordination.records import RecordError, atomic_output, ensure_dir, publish_bytes, try_read
 
 
 def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
@@ -107,7 +107,8 @@ def _save(fig, path: Path) -> Path:
         if ax.get_xlabel().startswith(("iteration", "policy checkpoint")):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_output(path) as tmp:  # replaces, never writes through, a link planted at `path`
+        fig.savefig(tmp, format="png")
     _plt().close(fig)
     return path
 
@@ -264,7 +265,7 @@ def write_summary(layout: RunLayout, metrics: list[dict], pngs: list[Path], out:
     lines += ["", "Phase seconds are the slowest rank's working time in that phase.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     path = out / "summary.md"
-    path.write_text("\n".join(lines) + "\n")
+    publish_bytes(path, ("\n".join(lines) + "\n").encode())
     return path
 
 
@@ -297,7 +298,7 @@ def make_report(log_path: Path, out: Path | None = None) -> dict[str, Any]:
     if try_read(layout.run_json, kind="run") is None:
         raise FileNotFoundError(f"no baton run in {log_path} (no readable run.json); check --log-path")
     out = Path(out) if out else layout.report_dir
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_dir(out)
     metrics = load_metrics(layout)
     spans = load_spans(layout)
     pngs = [plot_learning(metrics, out), plot_timeline(spans, out), plot_throughput(metrics, out),

@@ -204,6 +204,9 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def main(**kw) -> None:
     """Run this node's part of a baton RL job. Start it with the same --log-path on every node."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     args = parse(**kw)
     from coordination.config import ConfigError
     from coordination.runconfig import load_run_config

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,10 +21,10 @@ from typing import Callable
 from coordination import diagnose, timeline
 from coordination.barrier import Arrival, Barrier, Decision, Go
 from coordination.claims import Fenced
-from coordination.layout import iteration_number
+from coordination.layout import check_no_links, iteration_number
 from coordination.node import Node, PeerLost
 from coordination.phases import PhaseSpec
-from coordination.records import RecordError, fence_check, publish_record, try_read
+from coordination.records import RecordError, fence_check, publish_record, remove_tree, try_read
 
 log = logging.getLogger("baton.runner")
 
@@ -291,11 +290,12 @@ class PhaseRunner:
         removed = []
         fence_check()  # removing is writing: a superseded master leaves the folders alone
         sync = self.node.job.sync_dir
+        check_no_links(sync)  # never list (and then delete) the entries of a linked folder
         if not sync.exists():
             return removed
         for d in sync.iterdir():
             n = iteration_number(d.name)
             if n is not None and n <= iteration - self.gc_keep:
-                shutil.rmtree(d, ignore_errors=True)
+                remove_tree(d, ignore_errors=True)
                 removed.append(n)
         return sorted(removed)

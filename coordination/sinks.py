@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from coordination.layout import RunLayout
-from coordination.records import fence_check
+from coordination.records import ensure_dir, fence_check
 
 log = logging.getLogger("baton.sinks")
 
@@ -41,7 +41,8 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
 
         w = _writers.get("tb")
         if w is None:
-            w = _writers["tb"] = SummaryWriter(log_dir=str(layout.tensorboard_dir))
+            # ensure_dir refuses a linked tensorboard/ (docs/design.md §5 rule 11)
+            w = _writers["tb"] = SummaryWriter(log_dir=str(ensure_dir(layout.tensorboard_dir)))
         for k, v in values.items():
             w.add_scalar(k, v, step)
         w.flush()
@@ -50,7 +51,7 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
 
         run = _writers.get("wandb")
         if run is None:
-            layout.wandb_dir.mkdir(parents=True, exist_ok=True)
+            ensure_dir(layout.wandb_dir)
             run = _writers["wandb"] = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir),
                                                  mode=cfg.wandb.mode, name=layout.root.name)
         run.log(values, step=step)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coordination.records import FILE_MODE, ensure_dir, fence_check
+from coordination.records import ensure_dir, fence_check, own_opener
 
 log = logging.getLogger("baton.timeline")
 
@@ -19,7 +19,7 @@ def append(path: Path, event: dict[str, Any]) -> None:
     fence_check()  # a superseded process adds no line, not even a folder (docs/design.md §5 rule 7)
     ensure_dir(Path(path).parent)
     line = (json.dumps(event, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    fd = own_opener(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # never through a planted link
     try:
         os.write(fd, line)  # one write of a short line: never interleaved with a half line
     finally:

@@ -206,7 +206,7 @@ def aggregate(layout: RunLayout, split: str, iteration: int, *, ranks: Mapping[i
     stats = compute_stats(merged, counts, manifests, ranks, split=split, iteration=iteration, group_size=group_size,
                           success_reward=success_reward)
     stats["inputs"] = key
-    merged = merged.replace_schema_metadata({b"baton.run_id": run_id.encode()})
+    merged = merged.replace_schema_metadata({store.RUN_ID_KEY: run_id.encode()})
     store.write_table(layout.rollout_all(split, iteration), merged)
     stats["aggregate_seconds"] = time.monotonic() - t0
     gen = ranks[min(ranks)] if generation is None else generation

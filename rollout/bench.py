@@ -147,6 +147,9 @@ def bench_vllm(python: str | None, model_dir: Path | None, *, prompts: int, n: i
 def main(as_json: bool, model_dir: Path | None, vllm_python: str | None, prompts: int, n: int, max_new_tokens: int,
          threads: int | None, ranks: int, samples_per_rank: int) -> None:
     """Measure aggregation and engine throughput."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     from coordination import log
 
     log.setup("bench")

@@ -71,6 +71,9 @@ def measure_vllm(model_dir: Path, python: str, *, prompts: int = 64, n: int = 8,
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def main(model_dir: Path, python: str, prompts: int, n: int, max_new_tokens: int, as_json: bool) -> None:
     """Measure vLLM-on-CPU throughput on one checkpoint."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     result = measure_vllm(model_dir, python, prompts=prompts, n=n, max_new_tokens=max_new_tokens)
     if as_json:
         click.echo(json.dumps(result, indent=2))

@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from coordination.layout import chunk_identity
+from coordination.layout import check_no_links, chunk_identity
 from coordination.records import Record, publish_record, read_record
 from rollout import store
 
 DONE_KIND = "rollout-done"
-RUN_ID_KEY = b"baton.run_id"
+RUN_ID_KEY = store.RUN_ID_KEY
 GENERATION_KEY = b"baton.generation"
 
 
@@ -44,6 +44,7 @@ class ChunkFile:
 
 def list_chunks(rank_dir: Path) -> list[ChunkFile]:
     """Chunk files of a rank folder in (sequence, generation) order; temp files are skipped."""
+    check_no_links(rank_dir)  # never take a linked folder's files for this rank's chunks
     try:
         names = [p.name for p in Path(rank_dir).iterdir()]
     except FileNotFoundError:
@@ -66,14 +67,7 @@ def write_chunk(path: Path, rows: list[dict[str, Any]], *, run_id: str, generati
 
 def read_chunk(path: Path, *, run_id: str, columns: list[str] | None = None) -> pa.Table:
     """Read one chunk, refusing a chunk of another run. Raises store.TrajectoryFileError."""
-    table = store.read_table(path, columns)
-    meta = table.schema.metadata or {}
-    owner = meta.get(RUN_ID_KEY, b"").decode()
-    if owner != run_id:
-        raise store.TrajectoryFileError(
-            f"trajectory file {path} belongs to run {owner or '(unknown)'}, not to this run {run_id}; "
-            f"is --log-path shared with another run?")
-    return table
+    return store.read_table(path, columns, run_id=run_id)
 
 
 def complete_groups(table: pa.Table, wanted: set[str], group_size: int) -> set[str]:

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from coordination.layout import check_no_links
 from coordination.records import atomic_output
 
 SCHEMA = pa.schema([
@@ -31,6 +32,9 @@ SCHEMA = pa.schema([
 ])
 
 COLUMNS = tuple(SCHEMA.names)
+# Schema metadata key naming the run that wrote a file (chunks and all.parquet): a file of another
+# run is refused by name, never read as this run's (docs/design.md §5 rule 2).
+RUN_ID_KEY = b"baton.run_id"
 
 
 class TrajectoryFileError(ValueError):
@@ -45,29 +49,39 @@ def to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=SCHEMA)
 
 
-def write_table(path: Path, table: pa.Table) -> None:
-    """Publish `table` (already in SCHEMA) atomically at `path`."""
+def write_table(path: Path, table: pa.Table, *, run_id: str | None = None) -> None:
+    """Publish `table` (already in SCHEMA) atomically at `path`, tagged with `run_id` when given."""
     if table.schema != SCHEMA:
         table = table.cast(SCHEMA)
+    if run_id is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), RUN_ID_KEY: run_id.encode()})
     with atomic_output(Path(path)) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 
 
-def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+def write_rows(path: Path, rows: Iterable[dict[str, Any]], *, run_id: str | None = None) -> int:
     table = to_table(rows)
-    write_table(path, table)
+    write_table(path, table, run_id=run_id)
     return table.num_rows
 
 
-def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """Read one trajectory file, checking its schema. Errors name the file."""
+def read_table(path: Path, columns: list[str] | None = None, *, run_id: str | None = None) -> pa.Table:
+    """Read one trajectory file, checking its schema (and with `run_id`, that this run wrote it).
+    Errors name the file."""
     path = Path(path)
+    check_no_links(path)  # a chunk linked in from elsewhere is not ours to read
     try:
         table = pq.read_table(path, columns=columns)
     except FileNotFoundError:
         raise TrajectoryFileError(f"trajectory file {path} does not exist") from None
     except (pa.ArrowInvalid, OSError) as exc:
         raise TrajectoryFileError(f"trajectory file {path} is unreadable: {exc}") from None
+    if run_id is not None:
+        owner = (table.schema.metadata or {}).get(RUN_ID_KEY, b"").decode()
+        if owner != run_id:
+            raise TrajectoryFileError(
+                f"trajectory file {path} belongs to run {owner or '(unknown)'}, not to this run {run_id}; it was "
+                f"copied or linked here from another run (or --log-path is shared with one): move it away")
     wanted = columns or list(COLUMNS)
     missing = [c for c in wanted if c not in table.column_names]
     if missing:

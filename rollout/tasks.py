@@ -196,6 +196,9 @@ GENERATORS = {"arithmetic": arithmetic_tasks}
 @click.group()
 def main() -> None:
     """Task files: make built-in task sets, check a JSONL file."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
 
 
 @main.command()

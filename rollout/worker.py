@@ -245,6 +245,10 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
 def main() -> None:
     import click
 
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
+
     @click.command(context_settings={"show_default": True})
     @click.option("--log-path", required=True, help="run directory (shared --log-path)")
     @click.option("--model-dir", required=True, help="Hugging Face model folder to sample from")

@@ -22,7 +22,7 @@ def _row(task: str, s: int, reward: float, prompt_len: int = 4, completion_len: 
 
 
 def _write(layout: RunLayout, rows: list[dict], iteration: int = 1) -> None:
-    store.write_rows(layout.rollout_all("train", iteration), rows)
+    store.write_rows(layout.rollout_all("train", iteration), rows, run_id="run-a")
 
 
 def _mixed_rows(tasks: int = 6, samples: int = 4) -> list[dict]:

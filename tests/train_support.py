@@ -67,7 +67,7 @@ def write_trajectories(layout: RunLayout, iteration: int, model_dir: Path, *, ta
                          "split": "train", "rank": 0, "generation": 1})
     for row, lp in zip(rows, model_logprobs(model_dir, prompts, completions)):
         row["logprobs"] = lp
-    return store.write_rows(layout.rollout_all("train", iteration), rows)
+    return store.write_rows(layout.rollout_all("train", iteration), rows, run_id="run-t")
 
 
 def free_port() -> int:
@@ -122,10 +122,14 @@ def run_module(module: str, args: list[str], log: Path, timeout: float = 180.0,
 
 def prepare(layout: RunLayout, iteration: int, input_checkpoint: Path, input_iteration: int, *, world_size: int = 1,
             **cfg) -> Path:
+    from coordination.records import create_record
     from train.config import TrainConfig
     from train.data import prepare_training_data
 
     cfg.setdefault("micro_batch_tokens", 64)
+    # The trainer checks the plan's run_id against run.json, as in a real run folder.
+    create_record(layout.run_json, "run", {"config_hash": "test", "created_by": "tests"}, run_id="run-t",
+                  generation=0)
     return prepare_training_data(layout, iteration, TrainConfig(**cfg), run_id="run-t", world_size=world_size,
                                  temperature=1.0, input_checkpoint=input_checkpoint, input_iteration=input_iteration)
 

@@ -39,7 +39,7 @@ def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, compl
                          "completion_ids": completion, "logprobs": [-4.6] * completion_tokens, "text": "",
                          "reward": float(rng.random() < 0.5), "finish_reason": "stop", "policy_iteration": 0,
                          "iteration": 1, "split": "train", "rank": 0, "generation": 1})
-    store.write_rows(layout.rollout_all("train", 1), rows)
+    store.write_rows(layout.rollout_all("train", 1), rows, run_id="bench")
 
 
 def _free_port() -> int:
@@ -110,6 +110,9 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 def main(as_json: bool, levers: bool, **opts) -> None:
     """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU),
     or with --levers each memory/speed lever against plain."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     from train.tiny import write_tiny_model
 
     if levers:

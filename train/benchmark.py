@@ -229,7 +229,6 @@ def print_and_write(report: dict[str, Any], output_json: Path | None) -> None:
     if output_json is not None:
         from coordination.records import atomic_output
 
-        output_json.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(output_json) as tmp:
             Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
-from coordination.layout import RunLayout, iteration_number
-from coordination.records import NotThereYet, ensure_dir, fence_check, publish_record, read_record, try_read
+from coordination.layout import RunLayout, check_no_links, iteration_number, staging_identity
+from coordination.records import (NotThereYet, WrongRun, ensure_dir, fence_check, publish_record, read_record,
+                                  remove_tree, try_read)
 
 MARKER = "baton-complete.json"
 OPTIMIZER_DIR = "optimizer"
@@ -58,13 +58,26 @@ def mark_complete(folder: Path, *, iteration: int, run_id: str, expected: list[s
                    run_id=run_id, generation=0)
 
 
-def is_complete(folder: Path) -> bool:
-    """True when `folder` holds a valid marker and every file it lists, with the listed size."""
+def _other_run(path: Path, exc: WrongRun) -> CheckpointError:
+    return CheckpointError(
+        f"{exc}: it was copied or linked here from another run, and baton never adopts another run's "
+        f"checkpoint (its weights and optimizer state would silently replace this run's). Move {path} out of "
+        f"the run folder and restart; the iteration is then trained again")
+
+
+def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
+    """True when `folder` holds a valid marker and every file it lists, with the listed size.
+
+    With `run_id` (every caller inside a run) a complete checkpoint of another run raises
+    CheckpointError naming both run ids instead of counting as this run's (docs/design.md §5 rule 2)."""
     folder = Path(folder)
+    check_no_links(folder)
     try:
-        rec = read_record(folder / MARKER, kind="checkpoint-complete")
+        rec = read_record(folder / MARKER, kind="checkpoint-complete", run_id=run_id)
     except NotThereYet:
         return False
+    except WrongRun as exc:
+        raise _other_run(folder, exc) from None
     for rel, size in rec.data.get("files", {}).items():
         try:
             if (folder / rel).stat().st_size != size:
@@ -99,22 +112,26 @@ def serving_weights(folder: Path) -> tuple[Path, Path | None]:
     return base, adapter
 
 
-def read_latest(layout: RunLayout) -> tuple[int, Path] | None:
-    """(iteration, folder) that LATEST names, or None before the first publication."""
-    rec = try_read(layout.latest, kind="latest")
+def read_latest(layout: RunLayout, *, run_id: str | None = None) -> tuple[int, Path] | None:
+    """(iteration, folder) that LATEST names, or None before the first publication. With `run_id`,
+    a LATEST of another run raises CheckpointError naming both ids."""
+    try:
+        rec = try_read(layout.latest, kind="latest", run_id=run_id)
+    except WrongRun as exc:
+        raise _other_run(layout.latest, exc) from None
     if rec is None:
         return None
     iteration = int(rec.data["iteration"])
     return iteration, layout.checkpoint(iteration)
 
 
-def policy_for(layout: RunLayout, base_model: Path) -> tuple[int, Path]:
+def policy_for(layout: RunLayout, base_model: Path, *, run_id: str | None = None) -> tuple[int, Path]:
     """The policy to sample from or train from: LATEST, or (0, base_model) before any update."""
-    latest = read_latest(layout)
+    latest = read_latest(layout, run_id=run_id)
     if latest is None:
         return 0, Path(base_model)
     iteration, folder = latest
-    if not is_complete(folder):
+    if not is_complete(folder, run_id=run_id):
         raise CheckpointError(
             f"LATEST names iteration {iteration} but {folder} is missing or incomplete; it was removed or "
             f"damaged by hand. Restore it, or point LATEST at an older complete checkpoint with "
@@ -123,7 +140,7 @@ def policy_for(layout: RunLayout, base_model: Path) -> tuple[int, Path]:
 
 
 def _move_latest(layout: RunLayout, iteration: int, run_id: str) -> None:
-    current = read_latest(layout)
+    current = read_latest(layout, run_id=run_id)
     if current is not None and current[0] >= iteration:
         return  # never backwards: a late publication of an old iteration must not undo a newer one
     publish_record(layout.latest, "latest", {"iteration": iteration, "path": f"iter-{iteration}"},
@@ -137,15 +154,16 @@ def publish_checkpoint(layout: RunLayout, iteration: int, staging: Path, *, run_
     brought up to date and a leftover staging folder is removed."""
     final = layout.checkpoint(iteration)
     staging = Path(staging)
-    if final.exists():
-        if not is_complete(final):
+    check_no_links(staging)
+    if os.path.lexists(final):
+        if not is_complete(final, run_id=run_id):
             raise CheckpointError(
                 f"{final} exists but is not a complete checkpoint (baton only renames complete folders into "
                 f"place, so something else wrote it); move it away and rerun the training phase")
         if staging.exists() and staging.resolve() != final.resolve():
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree(staging, ignore_errors=True)
     else:
-        if not is_complete(staging):
+        if not is_complete(staging, run_id=run_id):
             raise CheckpointError(
                 f"staging folder {staging} is missing or incomplete ({MARKER} absent or files differ); "
                 f"the training attempt did not finish: rerun it")
@@ -159,6 +177,7 @@ def publish_checkpoint(layout: RunLayout, iteration: int, staging: Path, *, run_
 def published_iterations(layout: RunLayout) -> list[int]:
     """Iterations that have a folder under checkpoints/ (a directory listing: call rarely)."""
     try:
+        check_no_links(layout.checkpoints_dir)
         names = [p.name for p in layout.checkpoints_dir.iterdir() if p.is_dir()]
     except FileNotFoundError:
         return []
@@ -184,15 +203,20 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
     for iteration in present:
         if iteration in keep or (latest_iter is not None and iteration > latest_iter):
             continue
+        check_no_links(layout.checkpoint(iteration))
         trash = ensure_dir(layout.checkpoint_trash_dir) / f"iter-{iteration}-{os.getpid()}"
         os.rename(layout.checkpoint(iteration), trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_tree(trash, ignore_errors=True)
         removed.append(iteration)
-    if latest_iter is not None and layout.checkpoint_staging_dir.exists():
-        for path in layout.checkpoint_staging_dir.iterdir():
-            it = iteration_number(path.name.split(".a")[0])
-            if it is not None and it <= latest_iter:
-                shutil.rmtree(path, ignore_errors=True)
+    # Never list a linked .staging (its entries would be another folder's); delete only names
+    # that baton gives staging folders (`iter-N.aK`), each through remove_tree.
+    staging_dir = layout.checkpoint_staging_dir
+    check_no_links(staging_dir)
+    if latest_iter is not None and staging_dir.exists():
+        for path in staging_dir.iterdir():
+            ident = staging_identity(path.name)
+            if ident is not None and ident[0] <= latest_iter:
+                remove_tree(path, ignore_errors=True)
     if removed:
         _log.info("retention removed checkpoints %s (keeping %s)", removed, sorted(keep & set(present)))
     return removed

@@ -74,9 +74,9 @@ def plan_is_usable(layout: RunLayout, plan: dict[str, Any], *, world_size: int, 
     return True
 
 
-def _read_trajectories(path: Path, iteration: int) -> dict[str, list]:
+def _read_trajectories(path: Path, iteration: int, run_id: str) -> dict[str, list]:
     try:
-        table = store.read_table(path, columns=_COLUMNS)
+        table = store.read_table(path, columns=_COLUMNS, run_id=run_id)
     except store.TrajectoryFileError as exc:
         raise TrainingDataError(f"{exc}; phase 3 (aggregate train rollouts) of iteration {iteration} must "
                                 f"finish before training data can be prepared") from None
@@ -138,7 +138,7 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
         check_world_size(cfg.dp_replicate, world_size)   # fail here, before every node launches torchrun
 
     source = layout.rollout_all("train", iteration)
-    rows = _read_trajectories(source, iteration)
+    rows = _read_trajectories(source, iteration, run_id)
     selection = select(rows, cfg)
     # A sample without completion tokens has nothing to train on.
     kept = [(i, a) for i, a in zip(selection.indices, selection.advantages) if rows["completion_ids"][i]]

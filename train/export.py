@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from coordination.records import NotThereYet, ensure_dir, publish_record, read_record
+from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, remove_tree
 from train.checkpoint import TRAINER_STATE, mark_complete
 from train.config import LoRAConfig
 from train.distributed import DistInfo, agreed
@@ -89,9 +89,6 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
 
 def prepare_output_dir(out: Path, info: DistInfo) -> None:
     """Rank 0 empties and creates `out`; callers follow with a collective before others write."""
-    import shutil
-
     if info.is_main:
-        if out.exists():
-            shutil.rmtree(out)
+        remove_tree(out)  # never through a link planted at the staging folder
         ensure_dir(out)

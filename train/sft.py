@@ -244,6 +244,9 @@ def main(**opts) -> None:
 
     OVERRIDES are train config keys (key=value), e.g. ac.freq=1 lora.rank=8; --bench benchmarks
     SFT steps on fake data instead (no --data or --out)."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if opts["bench"]:
         sys.exit(run_sft(opts))
     missing = [f"--{k}" for k in ("model", "data", "out") if opts[k] is None]

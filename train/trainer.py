@@ -128,6 +128,7 @@ def run(plan_path: Path, attempt: int) -> int:
     """The trainer's whole life on one rank; returns the process exit code."""
     from coordination import log
     from coordination.layout import RunLayout
+    from coordination.records import read_record
     from train.checkpoint import is_complete, publish_checkpoint
     from train.data import read_plan
     from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
@@ -137,7 +138,9 @@ def run(plan_path: Path, attempt: int) -> int:
     log.setup(f"train rank{rank}")
     try:
         layout, iteration = RunLayout.from_training_plan(plan_path)
-        plan = read_plan(plan_path)
+        # The plan must be this run's: a training folder copied from another run would train
+        # (and publish) on its data under this run's name.
+        plan = read_plan(plan_path, run_id=read_record(layout.run_json, kind="run").run_id)
     except Exception as exc:  # noqa: BLE001 -- reported as the reason for the exit code
         _log.error("cannot read the training plan %s: %s", plan_path, exc)
         return 2
@@ -147,7 +150,7 @@ def run(plan_path: Path, attempt: int) -> int:
                    "nproc_per_node = %d processes, or prepare the data again for %d", plan_path,
                    plan["world_size"], world, plan["world_size"], world)
         return 2
-    if is_complete(layout.checkpoint(iteration)):
+    if is_complete(layout.checkpoint(iteration), run_id=plan["run_id"]):
         if rank == 0:
             publish_checkpoint(layout, iteration, layout.checkpoint_staging(iteration, attempt), run_id=plan["run_id"])
         _log.info("iteration %d is already published at %s; nothing to train", iteration, layout.checkpoint(iteration))
@@ -223,6 +226,9 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
 
     With --bench: benchmark training steps on fake data; OVERRIDES are train config keys
     (key=value, e.g. ac.freq=1 fused_lm_head_token_chunk_size=disabled lora.rank=8)."""
+    from coordination.records import restrict_umask
+
+    restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if bench["bench"]:
         if plan_path is not None:
             raise click.UsageError("--bench trains on fake data and takes no --plan")

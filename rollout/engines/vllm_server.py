@@ -21,7 +21,7 @@ from pathlib import Path
 
 from coordination import log
 from coordination.procgroup import die_with_parent
-from coordination.records import fence_check
+from coordination.records import fence_check, open_own
 from rollout.engine import EngineError
 from rollout.inference import VLLMConfig, is_loopback
 
@@ -212,10 +212,9 @@ class ServerProcess:
 
     def start(self) -> None:
         fence_check()  # a superseded node starts no server and adds nothing to its log
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in self.spec.drop_env}
         env.update(self.spec.env)
-        with open(self.log_file, "ab") as out:
+        with open_own(self.log_file, "ab") as out:
             self.log_start = out.tell()
             out.write(f"\n=== baton: {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {self.spec.command_text()}\n"
                       .encode())
