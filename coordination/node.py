@@ -145,7 +145,7 @@ class Node:
         self._lost_since.clear()
         ops0 = fsops.total()
         while True:
-            self.check_fence(probe=False)  # the lease flag; the claim stat runs with the liveness checks
+            self.check_fence(probe=False)  # the remembered answer; the claim stat runs with the liveness checks
             result = probe()
             if result is not None:
                 self.waits.append({"what": what, "seconds": self.clock.monotonic() - start,

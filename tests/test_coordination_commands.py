@@ -84,7 +84,6 @@ def test_recover_lists_then_removes_only_leftovers(run_dir):
     tmp = job.node_dir(2) / ".heartbeat.json.tmp-node-c-303-abcd"
     tmp.write_text("half")
     os.utime(tmp, (time.time() - 3600, time.time() - 3600))
-    job.lease(2).write_text("filelock/2\npid=303\nhost=node-c\n")
     staging = lay.checkpoint_staging(4, 1)
     staging.mkdir(parents=True)
     (staging / "model.safetensors").write_bytes(b"partial")
@@ -93,7 +92,7 @@ def test_recover_lists_then_removes_only_leftovers(run_dir):
     (done / "model.safetensors").write_bytes(b"complete")
     dry = _cli("recover", "--log-path", str(run_dir))
     assert dry.returncode == 0, dry.stderr
-    for p in (tmp, job.lease(2), staging):
+    for p in (tmp, staging):
         assert str(p.relative_to(run_dir)) in dry.stdout
         assert p.exists(), "a dry run removed something"
     assert "iter-3" not in dry.stdout
@@ -104,7 +103,7 @@ def test_recover_lists_then_removes_only_leftovers(run_dir):
         publish_record(job.heartbeat(r), KIND, dict(rec.data, state="exited"), run_id=RUN, generation=1)
     res = _cli("recover", "--log-path", str(run_dir), "--apply")
     assert res.returncode == 0, res.stderr
-    assert not tmp.exists() and not job.lease(2).exists() and not staging.exists()
+    assert not tmp.exists() and not staging.exists()
     assert (done / "model.safetensors").read_bytes() == b"complete"
     assert job.claim(2, 1).exists(), "claim files are the fencing history and must stay"
 
