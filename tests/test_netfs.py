@@ -83,7 +83,9 @@ def test_racing_masters_and_a_duplicate_worker_are_refused_and_the_run_finishes(
     _finish(procs, [winner, "worker"], run, assets)
     assert run.layout.job("both").claim_generations(0) == [1]
     assert run.layout.job("both").claim_generations(1) == [1]
-    print(f"netfs {mounts.options or 'default'}: racing masters + duplicate worker run {time.monotonic() - t0:.1f} s")
+    said = [ln for n in (loser, "worker-dup") for ln in procs.log(n).splitlines() if "ERROR" in ln]
+    print(f"netfs {mounts.options or 'default'}: racing masters + duplicate worker run {time.monotonic() - t0:.1f} s; "
+          f"refusals: {said}")
 
 
 def _kill_restart(procs, mounts, assets, name: str, rank: int, phase: int) -> None:
