@@ -332,10 +332,6 @@ class JobLayout:
     def claim(self, rank: int, generation: int) -> Path:
         return self.node_dir(rank) / f"claim-{generation}"
 
-    def lease(self, rank: int) -> Path:
-        """filelock SoftFileLease marker that serialises take-overs of `rank`."""
-        return self.node_dir(rank) / "lease"
-
     def heartbeat(self, rank: int) -> Path:
         return self.node_dir(rank) / "heartbeat.json"
 

@@ -90,7 +90,7 @@ class Node:
         if self.heartbeat is not None:
             self.heartbeat.stop(final_state, message)
         if self.claim is not None and not self.claim.is_fenced(probe=False):
-            self.claim.release()  # a fenced process leaves the lease to the generation that took it
+            self.claim.release()  # a fenced process touches nothing the generation that took over owns
         if self.fence is not None:
             install_fence(None)
 
@@ -202,7 +202,7 @@ class Node:
         self._lost_since.clear()
         ops0 = fsops.total()
         while True:
-            self.check_fence(probe=False)  # the lease flag; the claim stat runs with the liveness checks
+            self.check_fence(probe=False)  # the remembered answer; the claim stat runs with the liveness checks
             result = probe()
             if result is not None:
                 self.waits.append({"what": what, "seconds": self.clock.monotonic() - start,

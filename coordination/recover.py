@@ -3,11 +3,9 @@
 Cleans up after crashed nodes, safely. Without `--apply` it only lists what it would touch.
 It removes:
 - temp files left by writers that died mid-publish (`.name.tmp-host-pid-xxxx`);
-- filelock lease markers of ranks whose holder is gone, so a rank restarted on another host
-  takes over at once instead of waiting `peer_timeout` (the `claim-G` files stay: they are the
-  generation history that fences stale processes);
 - checkpoint staging folders that were never published (unfinished training attempts).
-It never removes completed outputs (published checkpoints, aggregated rollouts, chunks, DONE
+It never removes claim files (the generation history that fences stale processes, docs/design.md
+§5 rule 7) nor completed outputs (published checkpoints, aggregated rollouts, chunks, DONE
 manifests, metrics). `--reset-phase ITER:PHASE` removes that phase's barrier folders and those
 of the later phases of that iteration, so the phase runs again when the nodes restart — the safe
 form of the reference pipeline's "delete the flag files" habit. It refuses to change anything
@@ -55,17 +53,6 @@ def _temp_files(root: Path, min_age: float) -> list[Item]:
                     continue
                 if age >= min_age:
                     out.append(Item(p, f"temp file of a writer that did not finish ({age:.0f} s old)"))
-    return out
-
-
-def _dead_leases(layout: RunLayout, snap: dict) -> list[Item]:
-    out = []
-    for job in snap["jobs"]:
-        for r in job["ranks"]:
-            lease = layout.job(job["job"]).lease(r["rank"])
-            if lease.exists() and r["state"] in ("lost", "exited", "failed", "stopped", "never-joined"):
-                out.append(Item(lease, f"lease of rank {r['rank']} of job {job['job']}, whose holder is "
-                                       f"{r['state']} (host {r['host']}, pid {r['pid']})"))
     return out
 
 
@@ -162,7 +149,7 @@ def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float | N
         # ones build on) is reported before the watch, which can take up to peer_timeout.
         extra, rollback = _reset_items(layout, reset_phase) if reset_phase else ([], {})
         snap = watch_ranks(layout, peer_timeout, for_apply=for_apply, clock=clock, progress=progress)
-        items = _temp_files(layout.root, temp_min_age) + _dead_leases(layout, snap) + _staging(layout) + extra
+        items = _temp_files(layout.root, temp_min_age) + _staging(layout) + extra
         for it in items:  # refuse the whole plan, before anything is removed, if one item is reached by a link
             check_no_links(it.path)
     except LinkInRunFolder as exc:

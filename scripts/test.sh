@@ -3,7 +3,8 @@
 #
 #   bash scripts/test.sh            default tier: unit tests and the fast real multi-process tests
 #   bash scripts/test.sh --all      also the heavy tiers: end-to-end runs (slow), vLLM on CPU (vllm),
-#                                   network namespaces (netns, needs root and iproute2)
+#                                   network namespaces (netns, needs root and iproute2), network
+#                                   filesystems (netfs: sshfs over loopback, needs root and FUSE)
 #   bash scripts/test.sh [--all] -- <pytest args>   pass extra arguments to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --all) all=1; shift ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "scripts/test.sh: unknown argument '$1' (use --all, or -- before pytest arguments)" >&2; exit 2 ;;
   esac
 done
@@ -22,7 +23,7 @@ done
 source scripts/venv.sh
 ensure_project_venv
 
-markers="not slow and not vllm and not netns"
+markers="not slow and not vllm and not netns and not netfs"
 if [ "$all" = 1 ]; then
   ensure_vllm_venv .venv-vllm
   export BATON_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"

@@ -45,3 +45,10 @@ def run_dir(tmp_path: Path) -> Path:
     d.mkdir(mode=0o750)
     os.chmod(d, 0o750)
     return d
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    from tests.e2e import make_assets
+
+    return make_assets(tmp_path_factory.mktemp("e2e-assets"))

@@ -3,9 +3,12 @@ scripts/run.sh command lines of the nodes."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
-from tests.procs import ROOT
+from coordination.layout import RunLayout
+from tests.procs import ROOT, Procs
 
 RUN_SH = str(ROOT / "scripts" / "run.sh")
 
@@ -43,3 +46,44 @@ def fresh_log(tmp: Path, name: str = "run") -> Path:
     p.mkdir(mode=0o750)
     os.chmod(p, 0o750)
     return p
+
+
+def checkpoints_load(lay: RunLayout, iterations: list[int], base: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from train.checkpoint import is_complete
+
+    ref = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    for it in iterations:
+        folder = lay.checkpoint(it)
+        assert is_complete(folder), f"checkpoint {it} incomplete"
+        sd = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert set(sd) == set(ref)
+    last = AutoModelForCausalLM.from_pretrained(lay.checkpoint(iterations[-1])).state_dict()
+    assert any(not torch.equal(last[k], ref[k]) for k in ref), "training never changed a parameter"
+
+
+def rows(lay: RunLayout, it: int, split: str = "train"):
+    from rollout import store
+
+    return store.read_table(lay.rollout_all(split, it))
+
+
+def kill_and_restart(procs: Procs, name: str, cmd: list[str], when) -> None:
+    deadline = time.monotonic() + 300
+    while not when():
+        assert time.monotonic() < deadline, f"the moment to kill {name} never came:\n{procs.log(name)[-2000:]}"
+        assert procs.procs[name].poll() is None, f"{name} ended early:\n{procs.log(name)[-3000:]}"
+        time.sleep(0.05)
+    procs.signal(name, signal.SIGKILL)
+    procs.wait(name, 30)
+    procs.start(f"{name}-again", cmd)
+
+
+def check_complete_run(lay: RunLayout, iterations: int, tasks: int, group: int, base: Path) -> None:
+    for it in range(1, iterations + 1):
+        t = rows(lay, it)
+        pairs = list(zip(t["task_id"].to_pylist(), t["sample_index"].to_pylist()))
+        assert len(pairs) == tasks * group and len(set(pairs)) == len(pairs), f"iteration {it}: lost or duplicated"
+    checkpoints_load(lay, list(range(1, iterations + 1)), base)

@@ -135,19 +135,18 @@ def test_status_on_a_folder_without_a_run_says_so(tmp_path):
     assert res.returncode == 1 and "no baton run" in res.stderr
 
 
-def _leftovers(lay: RunLayout) -> tuple[Path, Path, Path, Path]:
+def _leftovers(lay: RunLayout) -> tuple[Path, Path, Path]:
     job = lay.job("both")
     tmp = job.node_dir(2) / ".heartbeat.json.tmp-node-c-303-abcd"
     tmp.write_text("half")
     os.utime(tmp, (time.time() - 3600, time.time() - 3600))
-    job.lease(2).write_text("filelock/2\npid=303\nhost=node-c\n")
     staging = lay.checkpoint_staging(4, 1)
     staging.mkdir(parents=True)
     (staging / "model.safetensors").write_bytes(b"partial")
     done = lay.checkpoint(3)
     done.mkdir(parents=True)
     (done / "model.safetensors").write_bytes(b"complete")
-    return tmp, job.lease(2), staging, done
+    return tmp, staging, done
 
 
 def test_recover_lists_then_removes_only_leftovers(run_dir, tmp_path):
@@ -155,10 +154,10 @@ def test_recover_lists_then_removes_only_leftovers(run_dir, tmp_path):
     before = _tree(victim)
     with _fixture_run(run_dir) as (lay, writers):
         job = lay.job("both")
-        tmp, lease, staging, done = _leftovers(lay)
+        tmp, staging, done = _leftovers(lay)
         dry = _cli("recover", "--log-path", str(run_dir))
         assert dry.returncode == 0, dry.stderr
-        for p in (tmp, lease, staging):
+        for p in (tmp, staging):
             assert str(p.relative_to(run_dir)) in dry.stdout
             assert p.exists(), "a dry run removed something"
         assert "iter-3" not in dry.stdout
@@ -169,7 +168,7 @@ def test_recover_lists_then_removes_only_leftovers(run_dir, tmp_path):
         res = _cli("recover", "--log-path", str(run_dir), "--apply")
     assert res.returncode == 0, res.stderr
     assert "watching heartbeat counters" in res.stderr
-    assert not tmp.exists() and not lease.exists() and not staging.exists()
+    assert not tmp.exists() and not staging.exists()
     assert (done / "model.safetensors").read_bytes() == b"complete"
     assert job.claim(2, 1).exists(), "claim files are the fencing history and must stay"
     assert _tree(victim) == before
@@ -178,7 +177,7 @@ def test_recover_lists_then_removes_only_leftovers(run_dir, tmp_path):
 @pytest.mark.parametrize("skew", [-300.0, 300.0])
 def test_recover_apply_refuses_while_a_counter_moves_although_its_wall_time_is_minutes_off(run_dir, tmp_path, skew):
     """The defect: with the observer's clock 5 minutes ahead, the live master was called lost
-    and its lease and staging folder removed."""
+    and its staging folder removed."""
     victim = _victim(tmp_path)
     before = _tree(victim)
     with _fixture_run(run_dir, live=(0,), skew={0: skew}) as (lay, _):

@@ -1,10 +1,7 @@
 """End-to-end runs of scripts/run.sh with real processes, the tiny model and real torchrun (issue 5)."""
 from __future__ import annotations
 
-import json
 import re
-import signal
-import time
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -12,34 +9,12 @@ import pytest
 
 from coordination.layout import RunLayout
 from coordination.records import read_record
-from rollout import store
-from tests.e2e import fresh_log, make_assets, node_cmd
+from tests.e2e import check_complete_run as _check_complete_run
+from tests.e2e import checkpoints_load as _checkpoints_load
+from tests.e2e import fresh_log, node_cmd
+from tests.e2e import kill_and_restart as _kill_and_restart
+from tests.e2e import rows as _rows
 from tests.procs import wait_for_text
-
-
-@pytest.fixture(scope="session")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.mktemp("e2e-assets"))
-
-
-def _checkpoints_load(lay: RunLayout, iterations: list[int], base: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from train.checkpoint import is_complete
-
-    ref = AutoModelForCausalLM.from_pretrained(base).state_dict()
-    for it in iterations:
-        folder = lay.checkpoint(it)
-        assert is_complete(folder), f"checkpoint {it} incomplete"
-        sd = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-        assert set(sd) == set(ref)
-    last = AutoModelForCausalLM.from_pretrained(lay.checkpoint(iterations[-1])).state_dict()
-    assert any(not torch.equal(last[k], ref[k]) for k in ref), "training never changed a parameter"
-
-
-def _rows(lay: RunLayout, it: int, split: str = "train"):
-    return store.read_table(lay.rollout_all(split, it))
 
 
 def _metrics(lay: RunLayout, it: int) -> dict:
@@ -154,25 +129,6 @@ def test_pipelined_rollout_and_update_jobs_keep_the_staleness_bound(procs, tmp_p
         pol = set(_rows(lay, it)["policy_iteration"].to_pylist())
         assert len(pol) == 1 and min(pol) >= it - 1 - 1, (it, pol)
     _checkpoints_load(lay, [1, 2, 3], model)
-
-
-def _kill_and_restart(procs, name: str, cmd: list[str], when) -> None:
-    deadline = time.monotonic() + 300
-    while not when():
-        assert time.monotonic() < deadline, f"the moment to kill {name} never came:\n{procs.log(name)[-2000:]}"
-        assert procs.procs[name].poll() is None, f"{name} ended early:\n{procs.log(name)[-3000:]}"
-        time.sleep(0.05)
-    procs.signal(name, signal.SIGKILL)
-    procs.wait(name, 30)
-    procs.start(f"{name}-again", cmd)
-
-
-def _check_complete_run(lay: RunLayout, iterations: int, tasks: int, group: int, base: Path) -> None:
-    for it in range(1, iterations + 1):
-        t = _rows(lay, it)
-        pairs = list(zip(t["task_id"].to_pylist(), t["sample_index"].to_pylist()))
-        assert len(pairs) == tasks * group and len(set(pairs)) == len(pairs), f"iteration {it}: lost or duplicated"
-    _checkpoints_load(lay, list(range(1, iterations + 1)), base)
 
 
 @pytest.mark.slow

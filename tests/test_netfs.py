@@ -1,0 +1,114 @@
+"""The restart promises on a network filesystem (issue 16): two sshfs mounts of one folder over a
+loopback sshd, once with sshfs's default caching and once with 20 s attribute and entry caches.
+Each node's process uses its own mount as --log-path. Real runs of scripts/run.sh with the tiny
+model; a node is killed inside a phase (BATON_HOLD_PHASE) and restarted with the same command."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from coordination import exits
+from coordination.layout import RunLayout
+from tests.e2e import check_complete_run, kill_and_restart, node_cmd
+from tests.netfs import CACHED_OPTIONS, SshfsPair, unavailable_reason
+from tests.procs import env, wait_for_text
+
+pytestmark = pytest.mark.netfs
+
+FLAGS = ("--rl-phase", "both", "--eval-interval", "0", "--num-nodes", "2", "--rank-weights", "1,1")
+OVER = ("run.max_iterations=2",)
+TASKS, GROUP = 24, 4  # tests.e2e.FAST
+
+
+@pytest.fixture(scope="module", params=["default-cache", "cache-20s"])
+def mounts(request, tmp_path_factory):
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    pair = SshfsPair(tmp_path_factory.mktemp(f"netfs-{request.param}"),
+                     CACHED_OPTIONS if request.param == "cache-20s" else "")
+    try:
+        pair.start()  # a failure to set up is a test failure, not a skip
+        yield pair
+    finally:
+        left = pair.stop()
+        assert not left, f"netfs teardown: {left}"
+
+
+class Run:
+    """One run directory seen through both mounts; `local` is the folder behind them, read by the
+    test so that its own observations do not warm either mount's caches."""
+
+    def __init__(self, mounts: SshfsPair, name: str):
+        self.local = mounts.share / name
+        self.local.mkdir(mode=0o750)
+        os.chmod(self.local, 0o750)
+        self.via = tuple(m / name for m in mounts.mounts)
+        self.layout = RunLayout(self.local)
+
+    def cmd(self, assets, mount: int, *role: str) -> list[str]:
+        data, model = assets
+        return node_cmd(data, model, self.via[mount], *FLAGS, *role, overrides=OVER)
+
+
+def _finish(procs, names: list[str], run: Run, assets, timeout: float = 500) -> None:
+    codes = procs.wait_all(timeout)
+    bad = {n: procs.log(n)[-2500:] for n in names if codes[n] != 0}
+    assert not bad, bad
+    check_complete_run(run.layout, 2, TASKS, GROUP, assets[1])
+
+
+def test_racing_masters_and_a_duplicate_worker_are_refused_and_the_run_finishes(procs, mounts, assets):
+    run = Run(mounts, "race")
+    t0 = time.monotonic()
+    procs.start("master-a", run.cmd(assets, 0, "--master"))
+    procs.start("master-b", run.cmd(assets, 1, "--master"))
+    procs.start("worker", run.cmd(assets, 1, "--worker", "1"))
+    deadline = time.monotonic() + 120
+    while all(procs.procs[m].poll() is None for m in ("master-a", "master-b")):
+        assert time.monotonic() < deadline, "neither racing master was refused within 120 s"
+        time.sleep(0.1)
+    loser = next(m for m in ("master-a", "master-b") if procs.procs[m].poll() is not None)
+    winner = "master-b" if loser == "master-a" else "master-a"
+    assert procs.procs[loser].returncode == exits.REFUSED, procs.log(loser)[-2500:]
+    assert "already held by a live process" in procs.log(loser), procs.log(loser)[-2500:]
+    wait_for_text(procs, "worker", "joined run", 120)
+    procs.start("worker-dup", run.cmd(assets, 0, "--worker", "1"))
+    assert procs.wait("worker-dup", 120) == exits.REFUSED, procs.log("worker-dup")[-2500:]
+    dup = procs.log("worker-dup")
+    assert "already held by a live process" in dup and f"pid {procs.procs['worker'].pid}" in dup, dup[-2500:]
+    _finish(procs, [winner, "worker"], run, assets)
+    assert run.layout.job("both").claim_generations(0) == [1]
+    assert run.layout.job("both").claim_generations(1) == [1]
+    said = [ln for n in (loser, "worker-dup") for ln in procs.log(n).splitlines() if "ERROR" in ln]
+    print(f"netfs {mounts.options or 'default'}: racing masters + duplicate worker run {time.monotonic() - t0:.1f} s; "
+          f"refusals: {said}")
+
+
+def _kill_restart(procs, mounts, assets, name: str, rank: int, phase: int) -> None:
+    run = Run(mounts, name)
+    t0 = time.monotonic()
+    m_cmd, w_cmd = run.cmd(assets, 0, "--master"), run.cmd(assets, 1, "--worker", "1")
+    victim, cmd = ("worker", w_cmd) if rank == 1 else ("master", m_cmd)
+    hold = env(BATON_HOLD_PHASE=f"{phase}:120")
+    procs.start("master", m_cmd, **({"env": hold} if rank == 0 else {}))
+    procs.start("worker", w_cmd, **({"env": hold} if rank == 1 else {}))
+    wait_for_text(procs, victim, f"holding phase {phase}", 300)
+    # kill -9 inside the phase, restart at once with the same command (and no hold)
+    kill_and_restart(procs, victim, cmd, lambda: True)
+    survivor = "worker" if rank == 0 else "master"
+    _finish(procs, [survivor, f"{victim}-again"], run, assets)
+    job = run.layout.job("both")
+    assert job.claim_generations(rank) == [1, 2], "the restart did not take the rank over"
+    print(f"netfs {mounts.options or 'default'}: {victim} killed in phase {phase}, run done "
+          f"{time.monotonic() - t0:.1f} s")
+
+
+def test_worker_killed_mid_rollout_rejoins_with_the_same_command(procs, mounts, assets):
+    _kill_restart(procs, mounts, assets, "kill-worker", rank=1, phase=1)
+
+
+def test_master_killed_mid_training_resumes_with_the_same_command(procs, mounts, assets):
+    _kill_restart(procs, mounts, assets, "kill-master", rank=0, phase=10)
