@@ -1,7 +1,8 @@
 """The restart promises on a network filesystem (issue 16): two sshfs mounts of one folder over a
 loopback sshd, once with sshfs's default caching and once with 20 s attribute and entry caches.
 Each node's process uses its own mount as --log-path. Real runs of scripts/run.sh with the tiny
-model; a node is killed inside a phase (BATON_HOLD_PHASE) and restarted with the same command."""
+model; a node is killed in the middle of its work (a chunk written, the trainers met) and
+restarted with the same command."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,10 @@ import pytest
 
 from coordination import exits
 from coordination.layout import RunLayout
+from coordination.records import read_record
 from tests.e2e import check_complete_run, kill_and_restart, node_cmd
 from tests.netfs import CACHED_OPTIONS, SshfsPair, unavailable_reason
-from tests.procs import env, wait_for_text
+from tests.procs import wait_for_text
 
 pytestmark = pytest.mark.netfs
 
@@ -48,9 +50,9 @@ class Run:
         self.via = tuple(m / name for m in mounts.mounts)
         self.layout = RunLayout(self.local)
 
-    def cmd(self, assets, mount: int, *role: str) -> list[str]:
+    def cmd(self, assets, mount: int, *role: str, over: tuple[str, ...] = ()) -> list[str]:
         data, model = assets
-        return node_cmd(data, model, self.via[mount], *FLAGS, *role, overrides=OVER)
+        return node_cmd(data, model, self.via[mount], *FLAGS, *role, overrides=OVER + over)
 
 
 def _finish(procs, names: list[str], run: Run, assets, timeout: float = 500) -> None:
@@ -87,28 +89,45 @@ def test_racing_masters_and_a_duplicate_worker_are_refused_and_the_run_finishes(
           f"refusals: {said}")
 
 
-def _kill_restart(procs, mounts, assets, name: str, rank: int, phase: int) -> None:
+def _kill_restart(procs, mounts, assets, name: str, rank: int, moment, over: tuple[str, ...] = (),
+                  tasks: int = TASKS) -> Run:
+    """Kill -9 rank `rank` once `moment(run)` says so (read through the local folder, so the
+    test's own looks warm neither mount's cache) and restart it at once with the same command."""
     run = Run(mounts, name)
     t0 = time.monotonic()
-    m_cmd, w_cmd = run.cmd(assets, 0, "--master"), run.cmd(assets, 1, "--worker", "1")
+    m_cmd, w_cmd = run.cmd(assets, 0, "--master", over=over), run.cmd(assets, 1, "--worker", "1", over=over)
     victim, cmd = ("worker", w_cmd) if rank == 1 else ("master", m_cmd)
-    hold = env(BATON_HOLD_PHASE=f"{phase}:120")
-    procs.start("master", m_cmd, **({"env": hold} if rank == 0 else {}))
-    procs.start("worker", w_cmd, **({"env": hold} if rank == 1 else {}))
-    wait_for_text(procs, victim, f"holding phase {phase}", 300)
-    # kill -9 inside the phase, restart at once with the same command (and no hold)
-    kill_and_restart(procs, victim, cmd, lambda: True)
+    procs.start("master", m_cmd)
+    procs.start("worker", w_cmd)
+    kill_and_restart(procs, victim, cmd, lambda: moment(run))
     survivor = "worker" if rank == 0 else "master"
-    _finish(procs, [survivor, f"{victim}-again"], run, assets)
-    job = run.layout.job("both")
-    assert job.claim_generations(rank) == [1, 2], "the restart did not take the rank over"
-    print(f"netfs {mounts.options or 'default'}: {victim} killed in phase {phase}, run done "
-          f"{time.monotonic() - t0:.1f} s")
+    codes = procs.wait_all(500)
+    bad = {n: procs.log(n)[-2500:] for n in (survivor, f"{victim}-again") if codes[n] != 0}
+    assert not bad, bad
+    check_complete_run(run.layout, 2, tasks, GROUP, assets[1])
+    assert run.layout.job("both").claim_generations(rank) == [1, 2], "the restart did not take the rank over"
+    print(f"netfs {mounts.options or 'default'}: {victim} killed, run done {time.monotonic() - t0:.1f} s")
+    return run
 
 
 def test_worker_killed_mid_rollout_rejoins_with_the_same_command(procs, mounts, assets):
-    _kill_restart(procs, mounts, assets, "kill-worker", rank=1, phase=1)
+    """Killed once its first chunk of iteration 1 is in place: the restart keeps that chunk."""
+    def first_chunk_written(run: Run) -> bool:
+        chunks = run.layout.rollout_rank_dir("train", 1, 1)
+        return chunks.exists() and any(p.suffix == ".parquet" for p in chunks.iterdir())
+
+    over = ("tasks.tasks_per_iteration=160", "rollout.prompts_per_call=2", "rollout.chunk_groups=2")
+    run = _kill_restart(procs, mounts, assets, "kill-worker", 1, first_chunk_written, over, tasks=160)
+    done = read_record(run.layout.rollout_done("train", 1, 1)).data
+    assert any(c["name"].endswith("-g1.parquet") for c in done["chunks"]), "the restarted rank redid everything"
 
 
 def test_master_killed_mid_training_resumes_with_the_same_command(procs, mounts, assets):
-    _kill_restart(procs, mounts, assets, "kill-master", rank=0, phase=10)
+    """Killed once both trainers of iteration 1 have met: the attempt fails on both nodes and the
+    restarted master's GO asks for attempt 2."""
+    def training(run: Run) -> bool:
+        log = run.layout.job("both").log_file(0, "trainer")
+        return log.exists() and "rank 0/2 on" in log.read_text()
+
+    run = _kill_restart(procs, mounts, assets, "kill-master", 0, training)
+    assert (run.layout.training_dir(1) / "attempt-2").exists(), "the interrupted training attempt was not retried"
