@@ -20,6 +20,7 @@ from coordination.barrier import Arrival
 from coordination.children import run_watched
 from coordination.config import ConfigError, dump_yaml, to_dict
 from coordination.layout import RunLayout
+from coordination.net import free_port
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, JOB_PHASES
 from coordination.progress import Progress
@@ -29,13 +30,6 @@ from coordination.runconfig import RunConfig
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
 
 log = logging.getLogger("baton.driver")
-
-
-def free_port(addr: str) -> int:
-    """A port that is free on `addr` now (the rendezvous store binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr not in ("localhost",) else "127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def own_address(master_addr: str) -> str:
@@ -495,8 +489,7 @@ class RLJob:
         v = default_decide(step, arrivals)
         if v.decision != "continue":
             return v
-        train_attempt = (int(step.go_payload(10).get("attempt", 1))
-                         if 10 in step.gos and not step.go_payload(10).get("skipped") else None)
+        train_attempt = int(step.go_payload(10).get("attempt", 1)) if 10 in step.gos else None
         rec = metrics.build(self.layout, self.node.job, run_id=self.node.run_id, iteration=step.iteration,
                             num_nodes=self.args.num_nodes, policy_iteration=step.iteration - 1,
                             train_attempt=train_attempt, eval_done=bool(step.go_payload(4).get("eval"))

@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from coordination.net import free_port
+
 PACKAGES = ("sshfs", "openssh-server")
 SSHD = "/usr/sbin/sshd"
 CACHED_OPTIONS = "cache_timeout=20,attr_timeout=20,entry_timeout=20"
@@ -48,12 +50,6 @@ def ensure_packages() -> None:
                                f"apt-get install said:\n{res.stderr[-2000:]}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # the kernel's ephemeral range: high and free right now
-        return s.getsockname()[1]
-
-
 class SshfsPair:
     def __init__(self, root: Path, options: str = ""):
         self.root = Path(root)
@@ -75,7 +71,7 @@ class SshfsPair:
         auth.write_text((self.root / "client_key.pub").read_text())
         os.chmod(auth, 0o600)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         conf = self.root / "sshd_config"
         conf.write_text("\n".join([
             f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {host_key}", f"PidFile {self.pid_file}",

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from coordination.procgroup import stop_group
+from coordination.net import free_port
 from tests import train_support as ts
 
 pytestmark = pytest.mark.vllm
@@ -79,7 +80,7 @@ def adapters(base, tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def server(base, vllm_python, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
-    port = ts.free_port()
+    port = free_port("127.0.0.1")
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--served-model-name",
            "base", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
            "--enforce-eager", "--distributed-executor-backend", "uni", "--generation-config", "vllm",

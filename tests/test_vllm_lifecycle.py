@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from coordination.net import free_port
 from rollout.engine import EngineError, Sampling
 from rollout.engines import vllm_server
 from rollout.engines.vllm_engine import VLLMEngine
@@ -269,7 +270,7 @@ def test_sleep_without_dev_routes_stops_and_wake_starts_again(tmp_path, stand_in
 @pytest.fixture
 def users_server(tmp_path, stand_in):
     """A stand-in server started by 'the user' (the test), not by the engine."""
-    port = vllm_server.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     env = dict(os.environ, PYTHONPATH=str(stand_in), FAKE_PIDS=str(tmp_path / "user-pids"))
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                              "--port", str(port), "--served-model-name", "theirs"], env=env,
@@ -316,7 +317,7 @@ def test_debug_mode_uses_the_users_server_and_never_starts_or_stops_one(tmp_path
 
 
 def test_debug_mode_names_the_url_when_the_users_server_is_down(tmp_path, checkpoint):
-    url = f"http://127.0.0.1:{vllm_server.free_port('127.0.0.1')}"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     engine = VLLMEngine(VLLMConfig(debug_url=url), debug_mode=True)
     with pytest.raises(EngineError) as err:
         engine.start(checkpoint)

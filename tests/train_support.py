@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from coordination.net import free_port
 from coordination.layout import RunLayout
 from coordination.procgroup import stop_group
 from rollout import store
@@ -68,12 +68,6 @@ def write_trajectories(layout: RunLayout, iteration: int, model_dir: Path, *, ta
     for row, lp in zip(rows, model_logprobs(model_dir, prompts, completions)):
         row["logprobs"] = lp
     return store.write_rows(layout.rollout_all("train", iteration), rows, run_id="run-t")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict[str, str]:
@@ -146,7 +140,7 @@ def torchrun(module: str, args: list[str], logs_dir: Path, *, nnodes: int = 2, n
     each in its own process group; returns their exit codes."""
     from train.launch import torchrun_command
 
-    port = free_port()
+    port = free_port("127.0.0.1")
     commands = [torchrun_command(python=PYTHON, nnodes=nnodes, node_rank=r, nproc_per_node=nproc_per_node,
                                  rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"test-{port}", is_host=r == 0,
                                  local_addr=None, module=module, args=args, join_timeout=120)

@@ -18,6 +18,10 @@ from typing import Literal
 
 from coordination.config import ConfigError, non_negative, option, positive, section
 
+# GRPO's clip range (DAPO's asymmetric "clip higher"): the one place the defaults are written;
+# train/step.py and train/loss.py take them from here.
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 AC_NAMED_TARGETS = ("attention", "matmul")
 
@@ -133,8 +137,8 @@ class TrainConfig:
     betas: list[float] = option(factory=lambda: [0.9, 0.999], help="AdamW betas [beta1, beta2]")
     adam_eps: float = option(1e-8, "AdamW epsilon")
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 = no clipping)")
-    clip_low: float = option(0.2, "importance ratio is clipped below at 1 - clip_low")
-    clip_high: float = option(0.28, "importance ratio is clipped above at 1 + clip_high")
+    clip_low: float = option(CLIP_LOW, "importance ratio is clipped below at 1 - clip_low")
+    clip_high: float = option(CLIP_HIGH, "importance ratio is clipped above at 1 + clip_high")
     kl_coef: float = option(0.0, "weight of the KL penalty to the reference policy (0 = off, no reference model)")
     advantage_std_normalize: bool = option(
         True, "divide each group's advantages by the group's reward std (+ std_eps)")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from train.config import CLIP_HIGH, CLIP_LOW
+
 
 def token_logprobs_and_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
                                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +67,7 @@ class LossParts:
 
 def micro_batch_loss(logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, *, algorithm: str,
                      old_logp: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-                     ref_logp: torch.Tensor | None = None, clip_low: float = 0.2, clip_high: float = 0.28,
+                     ref_logp: torch.Tensor | None = None, clip_low: float = CLIP_LOW, clip_high: float = CLIP_HIGH,
                      kl_coef: float = 0.0) -> LossParts:
     """Masked sums of the per-token loss of `algorithm` ("grpo", "rft" or "sft")."""
     clipped = torch.zeros_like(mask, dtype=torch.bool)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from train.batches import MicroBatch
+from train.config import CLIP_HIGH, CLIP_LOW
 from train.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from train.loss import micro_batch_loss
 from train.optim import set_lr
@@ -34,8 +35,8 @@ class StepSettings:
     backend: str                   # fsdp | ddp
     dtype: torch.dtype
     temperature: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = CLIP_LOW
+    clip_high: float = CLIP_HIGH
     kl_coef: float = 0.0
     grad_clip: float = 1.0
 

@@ -37,8 +37,8 @@ from coordination import log
 from rollout.adapter import read_adapter
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.engines.vllm_client import VLLMClient, check_convention
-from rollout.engines.vllm_server import (ServerProcess, ServerSpec, build_server, check_checkpoint, free_port,
-                                          tied_embeddings)
+from coordination.net import free_port
+from rollout.engines.vllm_server import ServerProcess, ServerSpec, build_server, check_checkpoint, tied_embeddings
 from rollout.inference import VLLM_LORA_RANKS, VLLMConfig
 
 _log = log.get("vllm")

@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -122,14 +121,6 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
     return ServerSpec(argv=argv, env=env, host=cfg.host, port=port, api_key=api_key,
                       served_model_name=cfg.served_model_name, dev_routes=dev_routes,
                       logprobs_mode=logprobs_mode, sleep_level=cfg.sleep_level)
-
-
-def free_port(host: str) -> int:
-    """A port nobody listens on right now at `host` (the server binds it a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def log_tail(path: Path | None, lines: int = 40, start: int = 0) -> str:
