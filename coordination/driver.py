@@ -117,6 +117,17 @@ class RunPlan:
                 out += [flag, str(value)]
         return out
 
+    def torchrun_argv(self, layout: RunLayout, iteration: int, attempt: int, rank: int, *, endpoint: str,
+                      rdzv_id: str, is_host: bool, local_addr: str) -> list[str]:
+        """The phase-10 command of one node (the driver runs it, --dry-run shows it)."""
+        from train.launch import torchrun_command
+
+        return torchrun_command(
+            python=sys.executable, nnodes=self.args.num_nodes, node_rank=rank,
+            nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
+            is_host=is_host, local_addr=local_addr, module="train.trainer",
+            args=self.trainer_args(layout, iteration, attempt, rank), join_timeout=int(self.cfg.train.collective_timeout))
+
     def is_final_eval(self, it: int) -> bool:
         return self.final_eval_on and it == self.cfg.run.max_iterations + 1
 
@@ -379,7 +390,7 @@ class RLJob:
 
     def train(self, step: Step) -> dict:
         from coordination.children import ChildFailed
-        from train.launch import torchrun_command, torchrun_env
+        from train.launch import torchrun_env
 
         if self.args.bench is None and self.checkpoint_done(step.iteration):
             return {"skipped": "checkpoint already published"}
@@ -395,12 +406,9 @@ class RLJob:
             target = self.node.job.bench_config(self.node.rank)
             ensure_dir(target.parent)
             publish_bytes(target, yaml.safe_dump({"train": to_dict(self.cfg.train)}, sort_keys=False).encode())
-        cmd = torchrun_command(
-            python=sys.executable, nnodes=self.args.num_nodes, node_rank=self.node.rank,
-            nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=f"{rdzv['addr']}:{rdzv['port']}",
-            rdzv_id=rdzv["rdzv_id"], is_host=is_host, local_addr=local, module="train.trainer",
-            args=self.plan.trainer_args(self.layout, step.iteration, step.attempt, self.node.rank),
-            join_timeout=int(self.cfg.train.collective_timeout))
+        cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
+                                      endpoint=f"{rdzv['addr']}:{rdzv['port']}", rdzv_id=rdzv["rdzv_id"],
+                                      is_host=is_host, local_addr=local)
         env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
 
@@ -460,8 +468,8 @@ class RLJob:
         attempt = int(step.go_payload(10).get("attempt", 1))
         publish_checkpoint(self.layout, step.iteration, self.layout.checkpoint_staging(step.iteration, attempt),
                            run_id=self.node.run_id)
-        k = self.cfg.run.eval_interval
-        evals = {i - 1 for i in range(1, step.iteration + 2) if k > 0 and (i - 1) % k == 0}
+        # iteration i evaluates checkpoint i - 1: keep every checkpoint an eval iteration measures
+        evals = {i - 1 for i in range(1, step.iteration + 2) if self.plan.is_eval(i)}
         removed = apply_retention(self.layout, keep_last=self.cfg.train.keep_last,
                                   protected=evals | {step.iteration, 0})
         return {"removed": removed}

@@ -9,7 +9,6 @@ how this command's config differs from the recorded one -- but never writes to i
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 
 import click
@@ -127,14 +126,9 @@ def dry_run(args, cfg) -> int:
             echo(f"  inference: transformers engine in this process (device {inf.device}, dtype {inf.dtype}) "
                  f"on {policy}")
     if args.job in ("both", "update", "bench"):
-        from train.launch import torchrun_command
-
         addr = master_address(cfg.coordination.master_addr)
-        cmd = torchrun_command(python=sys.executable, nnodes=args.num_nodes, node_rank=args.rank,
-                               nproc_per_node=cfg.train.nproc_per_node, rdzv_endpoint=f"{addr}:29500",
-                               rdzv_id=f"RUN-{args.job}-i{it}-a1", is_host=args.is_master,
-                               local_addr=addr if args.is_master else "THIS_NODE_ADDR", module="train.trainer",
-                               args=job.trainer_args(layout, it, 1, args.rank))
+        cmd = job.torchrun_argv(layout, it, 1, args.rank, endpoint=f"{addr}:29500", rdzv_id=f"RUN-{args.job}-i{it}-a1",
+                                is_host=args.is_master, local_addr=addr if args.is_master else "THIS_NODE_ADDR")
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
         echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
