@@ -31,8 +31,8 @@ import yaml
 from coordination.clock import Backoff, Clock
 from coordination.config import dict_hash, differences, redact
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, publish_bytes,
-                                  publish_record, read_record, try_read)
+from coordination.records import (Missing, NotThereYet, RecordError, create_record, ensure_dir, is_temp_name,
+                                  publish_bytes, publish_record, read_record, try_read)
 
 log = logging.getLogger("baton.manifest")
 
@@ -260,14 +260,31 @@ def _publish_config(layout: RunLayout, config: dict) -> None:
 
 # -- jobs ------------------------------------------------------------------------------------
 
-def ensure_job(job: JobLayout, run_id: str, facts: dict[str, Any], *, master: bool) -> dict[str, Any]:
-    """The job's master creates job.json once; everyone else (and a restarted master) must agree."""
+def ensure_job(job: JobLayout, run_id: str, facts: dict[str, Any], *, master: bool, settle: float = 10.0,
+               clock: Clock | None = None) -> dict[str, Any]:
+    """The job's master creates job.json once; everyone else (and a restarted master) must agree.
+
+    An exclusive create and the write of its content are two steps, and a network filesystem can
+    show the new file empty for a moment: a job.json that exists but does not validate yet is read
+    again for up to `settle` seconds before it counts as broken. (A second master racing the first
+    lands here and is then refused by the rank claim, which names the live holder.)"""
+    clock = clock or Clock()
     if master:
         create_record(job.job_json, "job", facts, run_id=run_id, generation=0)
-    try:
-        rec = read_record(job.job_json, kind="job", run_id=run_id)
-    except RecordError as exc:
-        raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
+    deadline, backoff = clock.monotonic() + settle, Backoff(0.02, 0.5)
+    while True:
+        try:
+            rec = read_record(job.job_json, kind="job", run_id=run_id)
+            break
+        except Missing as exc:
+            raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
+        except NotThereYet as exc:
+            if clock.monotonic() >= deadline:
+                raise JoinRefused(f"{job.job_json} stayed unreadable for {settle:.0f} s ({exc}); it is damaged: "
+                                  f"use a new --log-path") from None
+            clock.sleep(backoff.next())
+        except RecordError as exc:
+            raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
     theirs = rec.data
     bad = [f"{k}: {theirs.get(k)!r} in the run, {v!r} here" for k, v in facts.items() if theirs.get(k) != v]
     if bad:

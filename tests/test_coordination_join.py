@@ -187,3 +187,26 @@ def test_masters_racing_with_different_configs_leave_config_yaml_matching_run_js
         lay = RunLayout(root)
         assert outs.count("joined") == 1, outs
         assert _hash_of(read_config_yaml(lay)) == read_run(lay).config_hash, f"round {rnd}: {outs}"
+
+
+def test_a_job_json_seen_empty_for_a_moment_is_read_again_not_refused(tmp_path):
+    """On a network filesystem the master's exclusive create can be seen before its content: a
+    second master (or a worker) that reads it then must wait, bounded, instead of failing."""
+    import threading
+
+    from coordination.manifest import JoinRefused, ensure_job
+    from coordination.records import encode_record
+
+    job = RunLayout(tmp_path).job("both")
+    job.job_json.parent.mkdir(parents=True)
+    job.job_json.write_bytes(b"")                      # created, content not there yet
+    facts = {"num_nodes": 2, "rank_weights": [1.0, 1.0]}
+    later = threading.Timer(0.3, lambda: job.job_json.write_bytes(encode_record("job", facts, run_id="r", generation=0)))
+    later.start()
+    try:
+        assert ensure_job(job, "r", facts, master=True) == facts
+    finally:
+        later.cancel()
+    job.job_json.write_bytes(b"{")                     # stays broken: refused once the bound is over
+    with pytest.raises(JoinRefused, match="stayed unreadable for 1 s"):
+        ensure_job(job, "r", facts, master=False, settle=1.0)
