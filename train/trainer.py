@@ -232,13 +232,27 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
     if bench["bench"]:
         if plan_path is not None:
             raise click.UsageError("--bench trains on fake data and takes no --plan")
-        sys.exit(run_bench({**bench, "model": model}, config_files, overrides))
+        _exit(run_bench({**bench, "model": model}, config_files, overrides))
     if plan_path is None:
         raise click.UsageError("give --plan PLAN (the training plan of phase 8), or --bench to benchmark")
     if overrides or config_files or model is not None:
         raise click.UsageError("--model, --config and key=value overrides are for --bench; a training run takes its "
                                "config from the plan")
-    sys.exit(run(plan_path, attempt))
+    _exit(run(plan_path, attempt))
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's finalization. By now the results and the checkpoint are
+    published (fsync, then rename) and the process group is destroyed, but torch's gloo threads
+    can still abort finalization ("terminate called without an active exception", SIGABRT; seen
+    on a 2-process CPU run right after its checkpoint was published), which turned a finished
+    attempt into a failed one. Logs and standard streams are flushed first."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
