@@ -101,11 +101,11 @@ class LiveRemoteClock(FakeClock):
 
 def _holder_process(run_dir: Path, rank: int = 1) -> subprocess.Popen:
     """A real process that takes `rank` (claim + heartbeat) and prints its generation."""
-    code = ("import sys, time\nfrom coordination.config import CoordinationConfig\n"
+    code = ("import signal\nfrom coordination.config import CoordinationConfig\n"
             "from coordination.layout import RunLayout\nfrom coordination.node import Node\n"
             f"cfg = CoordinationConfig(heartbeat_interval=1, peer_timeout=4, rejoin_timeout=30)\n"
             f"n = Node.join(RunLayout({str(run_dir)!r}), 'both', {rank}, 2, run_id={RUN!r}, cfg=cfg)\n"
-            "print('held', n.generation, flush=True)\ntime.sleep(600)\n")
+            "print('held', n.generation, flush=True)\nsignal.pause()\n")  # holds the rank until the test kills it
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:

@@ -167,38 +167,36 @@ def _recorded_run(tmp_path: Path, *, completed: int, stopped: str | None) -> tup
     return data, log, model, overrides
 
 
-def _dry_run(data: Path, log: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both",
-           "--eval-interval", "1", "--num-nodes", "2", "--rank-weights", "1,1", "--worker", "1", "--dry-run",
-           *overrides]
-    return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
-
-
 def _listing(root: Path) -> list[tuple[str, int, int]]:
     return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
+def _dry_run(data: Path, log: Path, overrides: list[str]) -> str:
+    """Worker 1's --dry-run on the recorded run: its output, after checking that it succeeded and
+    left every file of the run as it was."""
+    before = _listing(log)
+    cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both",
+           "--eval-interval", "1", "--num-nodes", "2", "--rank-weights", "1,1", "--worker", "1", "--dry-run",
+           *overrides]
+    res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert _listing(log) == before
+    return res.stdout
+
+
 def test_dry_run_on_a_finished_run_says_it_is_finished_and_shows_config_differences(tmp_path):
     data, log, _, overrides = _recorded_run(tmp_path, completed=13, stopped="run.max_iterations (12) reached")
-    before = _listing(log)
-    res = _dry_run(data, log, [*overrides, "run.max_iterations=2"])
-    assert res.returncode == 0, res.stderr
-    out = res.stdout
+    out = _dry_run(data, log, [*overrides, "run.max_iterations=2"])
     assert "job both is finished: it stopped after iteration 13 (run.max_iterations (12) reached)" in out
     assert "differs from the recorded run in 1 key(s)" in out and "run.max_iterations: 12 -> 2" in out
     assert "next iteration" not in out and "iter-13" not in out      # no plan for a run that will not run
-    assert _listing(log) == before
 
 
 def test_dry_run_on_an_interrupted_run_says_where_this_rank_stands(tmp_path):
     data, log, _, overrides = _recorded_run(tmp_path, completed=5, stopped=None)
-    before = _listing(log)
-    res = _dry_run(data, log, [*overrides, "run.max_iterations=12"])
-    assert res.returncode == 0, res.stderr
-    out = res.stdout
+    out = _dry_run(data, log, [*overrides, "run.max_iterations=12"])
     assert "job both is at iteration 6; rank 1 last reported iteration 6, phase 10 train" in out
     assert "this command's config matches the recorded run" in out and "next iteration: 6" in out
-    assert _listing(log) == before
 
 
 def test_each_finished_iteration_is_one_console_line_with_reward_accuracy_and_seconds(caplog):
