@@ -53,12 +53,7 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
                 break
             except subprocess.TimeoutExpired:
                 pass
-            node.check_fence()
-            for r in peers:
-                view = node.peer_view(r)
-                if view.lost or view.exited:
-                    raise ChildFailed(f"stopped {what}: rank {r} was {'lost' if view.lost else 'gone'} "
-                                      f"({view.describe()})")
+            check_node_and_peers(node, peers, what)
             if on_tick is not None:
                 on_tick()
     finally:
@@ -68,6 +63,19 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
         cause = error_line(lines)
         raise ChildFailed(f"{what} exited with code {code}{': ' + cause if cause else ''} (read {log_file}); "
                           f"from its log:\n{lines}")
+
+
+def check_node_and_peers(node: Node, peers: Iterable[int], what: str) -> None:
+    """While a child works for this node: raise Fenced if the node was taken over, ChildFailed if
+    a peer (any rank but this one) is lost or gone, so the child is stopped instead of waiting in a
+    collective until its timeout."""
+    node.check_fence()
+    for r in peers:
+        if r == node.rank:
+            continue
+        view = node.peer_view(r)
+        if view.lost or view.exited:
+            raise ChildFailed(f"stopped {what}: rank {r} was {'lost' if view.lost else 'gone'} ({view.describe()})")
 
 
 # Causes a person can act on come first: torchrun ends its log with its own generic

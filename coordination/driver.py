@@ -99,9 +99,19 @@ class RunPlan:
             return 1
         return self.cfg.run.max_iterations + (1 if self.final_eval_on else 0)
 
-    def trainer_args(self, layout: RunLayout, iteration: int, attempt: int, rank: int) -> list[str]:
-        """What `torchrun ... -m train.trainer` gets at phase 10: the iteration's plan, or with
-        --bench the benchmark options, this run's `train` section (as a YAML file) and model."""
+    @property
+    def resident_trainer(self) -> bool:
+        """Whether phase 10 gives its work to a trainer that lives across iterations (train.resident)."""
+        return self.cfg.train.resident and self.args.bench is None
+
+    def trainer_args(self, layout: RunLayout, iteration: int, attempt: int, rank: int,
+                     launch: str | None = None) -> list[str]:
+        """What `torchrun ... -m train.trainer` gets at phase 10: the iteration's plan; for a resident
+        trainer the run folder, job and node whose orders it serves; with --bench the benchmark
+        options, this run's `train` section (as a YAML file) and model."""
+        if self.args.bench is None and self.resident_trainer:
+            return ["--resident", launch or "LAUNCH", "--log-path", str(layout.root), "--job", self.args.job,
+                    "--for-node", str(rank)]
         if self.args.bench is None:
             return ["--plan", str(layout.training_plan(iteration)), "--attempt", str(attempt)]
         job = layout.job("bench")
@@ -126,7 +136,8 @@ class RunPlan:
             python=sys.executable, nnodes=self.args.num_nodes, node_rank=rank,
             nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
             is_host=is_host, local_addr=local_addr, module="train.trainer",
-            args=self.trainer_args(layout, iteration, attempt, rank), join_timeout=int(self.cfg.train.collective_timeout))
+            args=self.trainer_args(layout, iteration, attempt, rank, launch=rdzv_id),
+            join_timeout=int(self.cfg.train.collective_timeout))
 
     def is_final_eval(self, it: int) -> bool:
         return self.final_eval_on and it == self.cfg.run.max_iterations + 1
@@ -189,6 +200,7 @@ class RLJob:
         self.layout: RunLayout = node.layout
         self.engine = None
         self.engine_starts = 0
+        self.trainer = None  # train.resident.ResidentTrainer once phase 10 launched one
         self.served: int | None = None  # policy iteration the engine serves
         self._tokenizer = None
         self._reward = None
@@ -244,6 +256,10 @@ class RLJob:
     def close_engine(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+
+    def close_trainer(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop()
 
     # -- tasks -------------------------------------------------------------------------------
     def tokenizer(self):
@@ -367,10 +383,21 @@ class RLJob:
         return {"addr": addr, "port": free_port(addr), "attempt": attempt,
                 "rdzv_id": f"{self.node.run_id}-{self.node.job.name}-i{iteration}-a{attempt}"}
 
+    def ready(self, step: Step) -> dict:
+        """Phase 9 arrival: the launch this node's resident trainer serves, if one is alive."""
+        return {"trainer": self.trainer.alive() if self.trainer is not None else None}
+
     def decide_ready(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
         if v.decision != "continue":
             return v
+        if self.plan.resident_trainer:
+            launches = {a.payload.get("trainer") for a in arrivals.values()}
+            if len(launches) == 1 and None not in launches and len(arrivals) == self.args.num_nodes:
+                # Every node's trainer is alive and of one launch: they keep serving.
+                return Verdict("continue", payload={"reuse": launches.pop()})
+        # A fresh rendezvous: the first training of this process, or a node without its trainer
+        # (restarted, or its trainer died), so every node launches anew.
         return Verdict("continue", payload=self.rendezvous(step.iteration, 1))
 
     def _attempt_failed_elsewhere(self, step: Step) -> str | None:
@@ -398,6 +425,8 @@ class RLJob:
         if failed:
             raise ChildFailed(failed)
         rdzv = step.retry.payload if step.retry is not None else step.go_payload(9)
+        if self.plan.resident_trainer:
+            return self.train_resident(step, rdzv)
         is_host = self.node.is_master
         local = rdzv["addr"] if is_host else own_address(rdzv["addr"])
         if self.args.bench is not None:
@@ -425,6 +454,57 @@ class RLJob:
         try:
             run_watched(cmd, env=env, log_file=log_file, node=self.node, peers=range(self.args.num_nodes),
                         on_tick=watch_attempt, what=f"torchrun (iteration {step.iteration}, attempt {step.attempt})")
+        finally:
+            progress.close()
+        return {"attempt": step.attempt}
+
+    def train_resident(self, step: Step, rdzv: dict) -> dict:
+        """Phase 10 with a resident trainer: launch it if this iteration's GO asks for a fresh
+        rendezvous (or this node's trainer is not the one the GO names), give it the iteration's
+        plan, and wait for every trainer rank's result record."""
+        from coordination.children import ChildFailed
+        from train.launch import torchrun_env
+        from train.resident import ResidentTrainer
+        from train.results import read_results
+
+        if self.trainer is None:
+            self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
+        if "reuse" in rdzv:
+            if self.trainer.alive() != rdzv["reuse"]:
+                raise ChildFailed(f"the resident trainer {rdzv['reuse']} of this node is no longer running "
+                                  f"(see {self.trainer.log_file}); the next attempt launches a fresh one")
+        else:
+            is_host = self.node.is_master
+            cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
+                                          endpoint=f"{rdzv['addr']}:{rdzv['port']}", rdzv_id=rdzv["rdzv_id"],
+                                          is_host=is_host,
+                                          local_addr=rdzv["addr"] if is_host else own_address(rdzv["addr"]))
+            env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                               socket_ifname=self.cfg.coordination.socket_ifname or None)
+            self.node.say(f"launching the resident trainer ({rdzv['rdzv_id']})", beat=True)
+            self.trainer.launch(cmd, env, rdzv["rdzv_id"])
+        world = self.args.num_nodes * self.cfg.train.nproc_per_node
+        self.trainer.order(iteration=step.iteration, attempt=step.attempt,
+                           plan=str(self.layout.training_plan(step.iteration)),
+                           offload=self.cfg.train.offload_between_iterations and self.args.job == "both")
+        progress = StepProgress(self.trainer.log_file, f"train iter {step.iteration}", self.node)
+
+        def tick() -> None:
+            progress.update()
+            failed = self._attempt_failed_elsewhere(step)
+            if failed:
+                raise ChildFailed(failed)
+
+        self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
+        what = f"training (iteration {step.iteration}, attempt {step.attempt})"
+        try:
+            self.trainer.wait(lambda: read_results(self.layout, step.iteration, step.attempt, world,
+                                                   run_id=self.node.run_id),
+                              peers=range(self.args.num_nodes), what=what, on_tick=tick)
+        except BaseException:
+            # A failed attempt ends this launch on every node: the retry rendezvous anew.
+            self.trainer.stop()
+            raise
         finally:
             progress.close()
         return {"attempt": step.attempt}
@@ -478,6 +558,11 @@ class RLJob:
         """Serve the new checkpoint for the next iteration (restart, reload or wake)."""
         if self.args.job != "both" or step.iteration + 1 > self.plan.last_iteration:
             return {}  # no engine in this job, or the run ends with this iteration
+        if not self.node.is_master:
+            # Phase 11 (the master's) publishes; phase 12 has no barrier before it.
+            self.node.wait_for(lambda: True if self.checkpoint_done(step.iteration) else None,
+                               what=f"the master to publish checkpoint {step.iteration}", peers=lambda: [0],
+                               dirs=[self.layout.checkpoints_dir])
         it, path = self.policy(step.iteration)
         if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
                 and self.engine.running):
@@ -529,7 +614,7 @@ class RLJob:
                      enabled=lambda s: job in ("both", "eval") and self.is_eval(s.iteration)),
             7: Phase(BY_NUMBER[7], self.stop_inference, enabled=lambda s: not final(s.iteration)),
             8: Phase(BY_NUMBER[8], self.prepare, enabled=lambda s: not final(s.iteration)),
-            9: Phase(BY_NUMBER[9], decide=self.decide_ready, enabled=lambda s: not final(s.iteration)),
+            9: Phase(BY_NUMBER[9], self.ready, self.decide_ready, enabled=lambda s: not final(s.iteration)),
             10: Phase(BY_NUMBER[10], self.train, self.decide_train, enabled=lambda s: not final(s.iteration),
                       max_attempts=self.cfg.train.max_attempts),
             11: Phase(BY_NUMBER[11], self.publish, enabled=lambda s: not final(s.iteration)),
@@ -610,6 +695,10 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         logger.error("%s", exc, exc_info=code == exits.ERROR)
     finally:
         if job is not None:
+            try:
+                job.close_trainer()
+            except Exception as exc:  # noqa: BLE001 - still stop the engine and release the claim
+                logger.error("could not stop the resident trainer: %s", exc)
             try:
                 job.close_engine()
             except Exception as exc:  # noqa: BLE001 - still release the claim

@@ -344,6 +344,21 @@ class JobLayout:
         gens = [int(m.group(1)) for n in names if (m := _CLAIM_RE.match(n))]
         return sorted(gens)
 
+    def trainer_dir(self, rank: int) -> Path:
+        """The resident trainer of node `rank` (docs/design.md §2): its orders and its state."""
+        return self.node_dir(rank) / "trainer"
+
+    def trainer_order(self, rank: int, launch: str, seq: int) -> Path:
+        """Order `seq` (1, 2, ...) the driver gives the trainer it launched as `launch` (the
+        rendezvous id, unique per launch: names are never reused, docs/design.md §5 rule 4)."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", launch) or launch in (".", ".."):
+            raise ValueError(f"a trainer launch id is a plain name (got {launch!r})")
+        return self.trainer_dir(rank) / launch / f"order-{int(seq)}.json"
+
+    def trainer_state(self, rank: int, local_rank: int) -> Path:
+        """What trainer process `local_rank` of node `rank` is doing (pid, state, device memory)."""
+        return self.trainer_dir(rank) / f"state-{int(local_rank)}.json"
+
     @property
     def sync_dir(self) -> Path:
         return self.root / "sync"

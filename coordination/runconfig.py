@@ -11,7 +11,7 @@ from typing import Literal
 
 from coordination.config import ConfigError, CoordinationConfig, load, non_negative, option, positive, section
 from rollout.config import RolloutConfig, TasksConfig
-from rollout.inference import VLLM_LORA_RANKS, InferenceConfig
+from rollout.inference import VLLM_LORA_RANKS, InferenceConfig, resolve_between_iterations
 from train.config import TrainConfig
 
 DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -73,6 +73,12 @@ class RunConfig:
     inference: InferenceConfig = section(InferenceConfig, "the inference engine")
     train: TrainConfig = section(TrainConfig, "the trainer")
     logging: LoggingSection = section(LoggingSection, "metrics outputs")
+
+    def __post_init__(self) -> None:
+        # `auto` is decided once, here, so the recorded config.yaml, --dry-run and every phase
+        # see the mode that runs.
+        self.inference.between_iterations = resolve_between_iterations(
+            self.inference, resident_trainer=self.train.resident)
 
     def check_for(self, rl_phase: str) -> None:
         """Cross-section checks that depend on which phases this job runs."""

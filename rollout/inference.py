@@ -3,8 +3,9 @@
 Two engines share the `rollout.engine.Engine` interface: the in-process transformers engine
 (CPU runs, tests, the demo) and a vLLM server subprocess (rollout/engines/vllm_engine.py).
 `between_iterations` says what the driver does with the engine while training runs: stop it
-and start it again on the new checkpoint (`restart`, the default and the only mode that needs no
-vLLM dev routes), keep it alive and swap weights (`reload`), or sleep and wake (`sleep`).
+and start it again on the new checkpoint (`restart`, the only mode that needs no vLLM dev routes),
+keep it alive and swap weights (`reload`), or sleep and wake (`sleep`). `auto`, the default, is
+resolved by `resolve_between_iterations` into the fastest of these that is correct for the engine.
 """
 from __future__ import annotations
 
@@ -159,10 +160,12 @@ class InferenceConfig:
     engine: Literal["transformers", "vllm"] = option(
         "transformers", "'transformers' (in-process; CPU, tests, demo) or 'vllm' (server subprocess; GPU, or CPU "
                         "with inference.vllm.cpu)")
-    between_iterations: Literal["restart", "reload", "sleep"] = option(
-        "restart", "what happens to the engine while training runs: 'restart' stops it and starts it on the new "
-                   "checkpoint; 'reload' keeps the server and swaps its weights; 'sleep' frees the accelerator "
-                   "and wakes with the new weights. reload/sleep need vLLM dev routes and a loopback host")
+    between_iterations: Literal["auto", "restart", "reload", "sleep"] = option(
+        "auto", "what happens to the engine while training runs: 'restart' stops it and starts it on the new "
+                "checkpoint; 'reload' keeps the engine and swaps its weights in place; 'sleep' frees the accelerator "
+                "and wakes with the new weights. reload/sleep need vLLM dev routes and a loopback host. auto = with "
+                "train.resident: reload for the transformers engine, sleep for vLLM on GPU on a loopback host; "
+                "restart otherwise (vLLM on CPU, a vLLM server others can reach, train.resident=false)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
         "auto", "weights dtype of the engine; auto = float32 on CPU, bfloat16 on GPU")
     device: str = option("auto", "transformers engine device: auto (cuda when available, else cpu), cpu, cuda, cuda:1 ...")
@@ -180,6 +183,25 @@ class InferenceConfig:
                 f"which --api-key does not protect: on vllm.host={self.vllm.host} anyone on the network could "
                 f"reload or stop the model. Use vllm.host=127.0.0.1 (rollouts run on the same node), or "
                 f"between_iterations=restart")
+
+
+def resolve_between_iterations(cfg: InferenceConfig, *, resident_trainer: bool) -> str:
+    """What `between_iterations: auto` means (docs/design.md §6 phases 7 and 12). A resident trainer
+    makes the engine's cold start the largest cost left in an iteration, so the engine stays:
+    the transformers engine swaps weights in place (`reload`); vLLM on GPU sleeps, which frees its
+    memory for the trainer whatever the memory plan says about both together, and wakes with the
+    new weights. Restart remains where the others are not correct: vLLM on CPU (its reload keeps a
+    tied output layer's old weights and sleep frees nothing there), a server reachable from other
+    machines (dev routes unprotected), and the per-iteration trainer (the reference behaviour)."""
+    if cfg.between_iterations != "auto":
+        return cfg.between_iterations
+    if not resident_trainer:
+        return "restart"
+    if cfg.engine == "transformers":
+        return "reload"
+    if cfg.vllm.cpu or not is_loopback(cfg.vllm.host) or cfg.vllm.debug_url:
+        return "restart"
+    return "sleep"
 
 
 def resolve_dtype(cfg: InferenceConfig, *, on_gpu: bool) -> str:

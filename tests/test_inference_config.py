@@ -9,10 +9,25 @@ from coordination.config import ConfigError, field_help, from_dict
 from rollout.inference import InferenceConfig, VLLMConfig, is_loopback, make_engine
 
 
-def test_defaults_are_transformers_restart_on_loopback():
+def test_defaults_are_transformers_auto_on_loopback():
     cfg = from_dict(InferenceConfig, {})
-    assert (cfg.engine, cfg.between_iterations, cfg.dtype, cfg.device) == ("transformers", "restart", "auto", "auto")
+    assert (cfg.engine, cfg.between_iterations, cfg.dtype, cfg.device) == ("transformers", "auto", "auto", "auto")
     assert (cfg.vllm.host, cfg.vllm.port, cfg.vllm.api_key, cfg.vllm.served_model_name) == ("127.0.0.1", 0, "", "policy")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], "reload"),                                                      # transformers engine, resident trainer
+    (["train.resident=false"], "restart"),                               # the reference behaviour
+    (["inference.engine=vllm"], "sleep"),                                # vLLM on GPU, loopback
+    (["inference.engine=vllm", "inference.vllm.cpu=true"], "restart"),   # vLLM on CPU cannot reload a tied head
+    (["inference.engine=vllm", "inference.vllm.host=10.1.2.3", "inference.vllm.api_key=env:K"], "restart"),
+    (["inference.engine=vllm", "inference.between_iterations=reload"], "reload"),  # an explicit mode stays
+])
+def test_auto_between_iterations_is_resolved_once_in_the_run_config(overrides, expected):
+    from coordination.runconfig import load_run_config
+
+    cfg = load_run_config([], ["model.path=/m", *overrides])
+    assert cfg.inference.between_iterations == expected
 
 
 def test_every_field_has_help_text():

@@ -159,6 +159,14 @@ class TrainConfig:
     max_attempts: int = option(2, "the driver retries a failed training attempt up to this many attempts in total")
     keep_last: int = option(3, "retention: keep the last K checkpoints (plus eval iterations and the one in use)")
     nproc_per_node: int = option(1, "trainer processes per node (one per GPU on GPU nodes)")
+    resident: bool = option(
+        True, "keep each node's trainer processes (torchrun, model, optimizer state) alive across iterations and "
+              "give them each iteration's plan through the run folder; false starts torchrun anew every iteration "
+              "(the reference behaviour, docs/design.md §2)")
+    offload_between_iterations: bool = option(
+        True, "resident trainer in a job whose inference engine shares its devices (--rl-phase both): move "
+              "parameters, gradients and optimizer state to host memory after each iteration's checkpoint and back "
+              "before the next step; false keeps them on the device")
     gpu_memory_gib: float = option(
         0.0, "memory of one GPU in GiB for the memory plan (docs/design.md §10.5), which --dry-run prints and which "
              "refuses at start a run whose trainer and vLLM server do not fit together; 0 = ask GPU 0 of the node "

@@ -157,3 +157,81 @@ class OptimizerStateOffload:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class ResidentOffload:
+    """Between iterations of a resident trainer whose engine shares its devices: every storage of
+    the models' parameters, any gradients and the optimizer state is copied to host memory (pinned
+    on CUDA) and its device storage freed (resized to 0 bytes), then restored in place before the
+    next step. Storages, not parameters, are moved, so every Parameter object, FSDP2's sharded
+    views and the optimizer's references stay what they were. On CPU the same copies and frees run
+    (host and device are one memory there); `moved_bytes` and `storages` are the bookkeeping."""
+
+    def __init__(self, modules: list[nn.Module], optimizer: torch.optim.Optimizer, device: torch.device):
+        self.modules = [m for m in modules if m is not None]
+        self.optimizer = optimizer
+        self.device = device
+        self.on_host = False
+        self.moved_bytes = 0
+        self.storages = 0
+        self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    def _tensors(self):
+        for m in self.modules:
+            for p in m.parameters():
+                yield _local(p)
+                if p.grad is not None:
+                    yield _local(p.grad)
+            for b in m.buffers():
+                yield _local(b)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    yield _local(value)
+
+    def to_host(self) -> None:
+        if self.on_host:
+            return
+        seen: set[int] = set()
+        pin = self.device.type == "cuda"
+        self._saved, self.moved_bytes = [], 0
+        for t in self._tensors():
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen or storage.device.type != self.device.type:
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
+            host.copy_(_bytes_of(storage))
+            self._saved.append((storage, host))
+            self.moved_bytes += storage.nbytes()
+        if pin:
+            torch.cuda.synchronize(self.device)
+        for storage, _ in self._saved:
+            storage.resize_(0)
+        if pin:
+            torch.cuda.empty_cache()
+        self.storages = len(self._saved)
+        self.on_host = True
+
+    def to_device(self) -> None:
+        if not self.on_host:
+            return
+        for storage, host in self._saved:
+            storage.resize_(host.numel())
+            _bytes_of(storage).copy_(host, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._saved = []
+        self.on_host = False
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of `storage` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+
+
+def device_memory_mb(device: torch.device) -> float:
+    """Memory the caching allocator has handed out on `device` (MiB); 0 on CPU, which has no such count."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return 0.0

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,27 @@ def _seed(seed: int, iteration: int) -> int:
     return (int(seed) * 1_000_003 + int(iteration)) % (2**63)
 
 
-def _load(plan: dict[str, Any], cfg, layout, iteration: int, info):
-    """Every rank loads its shard, the input checkpoint and its optimizer state, then applies the
-    levers and the parallelism. Returns (shard, trainable, reference, optimizer step, pad id)."""
+@dataclass
+class Held:
+    """What a trainer holds between iterations: the (sharded) model, its optimizer and state, the
+    reference model, the optimizer step count. A resident trainer (train.resident) keeps one across
+    iterations; the per-iteration trainer builds one and exits."""
+
+    cfg: Any                   # train.config.TrainConfig of the plan that built it
+    config: dict[str, Any]     # that plan's `config` section: a plan with another one needs a rebuild
+    t: Any                     # train.build.Trainable
+    reference: Any
+    opt_step: int
+    pad_id: int
+    iteration: int             # the checkpoint iteration the weights are (the next plan's input)
+    offload: Any = None        # train.offload.ResidentOffload once created
+
+
+def load_held(plan: dict[str, Any], cfg, info) -> Held:
+    """Collective: load the plan's input checkpoint and, when present, its optimizer state, then
+    apply the levers and the parallelism."""
     import torch
 
-    from train.batches import read_shard
     from train.build import load_model, make_reference, make_trainable, preflight
     from train.distributed import agreed
     from train.export import read_trainer_state
@@ -43,20 +59,16 @@ def _load(plan: dict[str, Any], cfg, layout, iteration: int, info):
     from train.optim_state import load_optimizer_state
 
     agreed("checking the trainer settings", info, lambda: preflight(cfg, info))
-    torch.manual_seed(_seed(plan["seed"], iteration))
+    torch.manual_seed(_seed(plan["seed"], plan["iteration"]))
     source = Path(plan["input_checkpoint"])
-    use_ref = cfg.kl_coef > 0 and bool(plan["steps"])
+    use_ref = cfg.kl_coef > 0
 
     def load_inputs():
-        shard = {}
-        if plan["steps"]:
-            entry = plan["shards"][info.rank]
-            shard = read_shard(layout.training_dir(iteration) / entry["file"], entry["sha256"])
         ref = load_causal_lm(Path(plan["reference_model"]), cfg.attn) if use_ref else None
         state = read_trainer_state(source)
-        return shard, load_model(cfg, source, state), state, ref
+        return load_model(cfg, source, state), state, ref
 
-    shard, loaded, state, ref_lm = agreed("loading the training shard and the input checkpoint", info, load_inputs)
+    loaded, state, ref_lm = agreed("loading the input checkpoint", info, load_inputs)
     t = make_trainable(loaded, cfg, info)
     reference = make_reference(ref_lm, cfg, info, t.dtype) if ref_lm is not None else None
     resumed = state is not None and bool(state.get("has_optimizer_state")) and t.weights.resume_optimizer
@@ -66,18 +78,20 @@ def _load(plan: dict[str, Any], cfg, layout, iteration: int, info):
         if t.optimizer_offload is not None:
             t.optimizer_offload.to_host()
     opt_step = int(state["optimizer_step"]) if resumed else 0
-    _log.info("rank %d/%d on %s (%s, %s): %d steps from %s (iteration %d, optimizer step %d%s)", info.rank,
-              info.world_size, info.device, cfg.backend, str(t.dtype).removeprefix("torch."), len(plan["steps"]),
-              source, plan["input_iteration"], opt_step, "" if resumed else ", fresh optimizer")
+    _log.info("rank %d/%d on %s (%s, %s): loaded %s (iteration %d, optimizer step %d%s)", info.rank,
+              info.world_size, info.device, cfg.backend, str(t.dtype).removeprefix("torch."), source,
+              plan["input_iteration"], opt_step, "" if resumed else ", fresh optimizer")
     pad_id = loaded.lm.config.pad_token_id if loaded.lm.config.pad_token_id is not None else 0
-    return shard, t, reference, opt_step, pad_id
+    return Held(cfg, plan["config"], t, reference, opt_step, pad_id, int(plan["input_iteration"]))
 
 
-def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
-    from coordination.config import from_dict
-    from train.batches import collate
-    from train.checkpoint import publish_checkpoint
-    from train.config import TrainConfig
+def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> dict[str, Any]:
+    """Collective: train the plan's steps on `held`, write the complete checkpoint folder into the
+    attempt's staging folder, then this rank's result record (so every result means "staged").
+    Publication (rename into checkpoints/, LATEST) is phase 11's. Returns the result's data."""
+    import torch
+
+    from train.batches import collate, read_shard
     from train.distributed import agreed
     from train.export import prepare_output_dir, save_checkpoint
     from train.optim import config_lr
@@ -85,10 +99,18 @@ def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> N
     from train.step import StepSettings, train_step
 
     started = time.monotonic()
-    cfg = from_dict(TrainConfig, plan["config"])
+    cfg, t = held.cfg, held.t
     steps, run_id = plan["steps"], plan["run_id"]
+    torch.manual_seed(_seed(plan["seed"], iteration))  # the same seed whether the trainer was resident or not
+
+    def load_shard():
+        if not steps:
+            return {}
+        entry = plan["shards"][info.rank]
+        return read_shard(layout.training_dir(iteration) / entry["file"], entry["sha256"])
+
+    shard = agreed("loading the training shard", info, load_shard)
     staging = layout.checkpoint_staging(iteration, attempt)
-    shard, t, reference, opt_step, pad_id = _load(plan, cfg, layout, iteration, info)
     if not steps:
         _log.info("the plan has no steps (%s): republishing the input weights as iteration %d",
                   plan.get("zero_steps_reason"), iteration)
@@ -100,28 +122,46 @@ def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> N
     t.model.train()
     history = []
     for s, step in enumerate(steps):
-        micro_batches = [collate(shard.get((s, m), []), pad_id) for m in range(step["micro_batches_per_rank"])]
-        metrics = train_step(t.model, t.params, t.optimizer, micro_batches, lr=config_lr(cfg, opt_step),
+        micro_batches = [collate(shard.get((s, m), []), held.pad_id) for m in range(step["micro_batches_per_rank"])]
+        metrics = train_step(t.model, t.params, t.optimizer, micro_batches, lr=config_lr(cfg, held.opt_step),
                              global_completion_tokens=step["completion_tokens"], settings=settings, info=info,
-                             reference=reference)
-        opt_step += 1
+                             reference=held.reference)
+        held.opt_step += 1
         history.append(metrics.as_dict())
         if info.is_main:
-            _log.info(metrics.line(f"iter {iteration} step {s + 1}/{len(steps)} (optimizer step {opt_step})"))
+            _log.info(metrics.line(f"iter {iteration} step {s + 1}/{len(steps)} (optimizer step {held.opt_step})"))
 
-    write_result(layout, iteration, attempt, info.rank, run_id,
-                 {"ok": True, "world_size": info.world_size, "steps": history, "optimizer_step": opt_step,
-                  "summary": summarise(history, plan, time.monotonic() - started)})
     source = Path(plan["input_checkpoint"])
     save_checkpoint(staging, policy=t.policy, optimizer=t.optimizer, info=info, backend=cfg.backend, run_id=run_id,
                     iteration=iteration, tokenizer_source=source,
-                    trainer_state={"optimizer_step": opt_step, "iteration": iteration, "algorithm": cfg.algorithm,
+                    trainer_state={"optimizer_step": held.opt_step, "iteration": iteration, "algorithm": cfg.algorithm,
                                    "input_checkpoint": str(source), "input_iteration": plan["input_iteration"]},
                     lora=cfg.lora, lora_record=t.weights.record)
+    held.iteration = iteration
+    data = {"ok": True, "world_size": info.world_size, "steps": history, "optimizer_step": held.opt_step,
+            "summary": summarise(history, plan, time.monotonic() - started)}
+    write_result(layout, iteration, attempt, info.rank, run_id, data)
+    if info.is_main:
+        _log.info("staged %s (optimizer step %d) in %.1f s", staging, held.opt_step, time.monotonic() - started)
+    return data
+
+
+def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
+    """The per-iteration trainer (train.resident=false): build, train once, publish."""
+    from coordination.config import from_dict
+    from train.checkpoint import publish_checkpoint
+    from train.config import TrainConfig
+    from train.distributed import agreed
+
+    cfg = from_dict(TrainConfig, plan["config"])
+    held = load_held(plan, cfg, info)
+    train_iteration(held, plan, layout, iteration, attempt, info)
+    staging = layout.checkpoint_staging(iteration, attempt)
+    run_id = plan["run_id"]
     final = agreed("publishing the checkpoint", info,
                    lambda: publish_checkpoint(layout, iteration, staging, run_id=run_id) if info.is_main else None)
     if info.is_main:
-        _log.info("published %s (optimizer step %d) in %.1f s", final, opt_step, time.monotonic() - started)
+        _log.info("published %s (optimizer step %d)", final, held.opt_step)
 
 
 def run(plan_path: Path, attempt: int) -> int:
@@ -162,16 +202,8 @@ def run(plan_path: Path, attempt: int) -> int:
         train(plan, layout, iteration, attempt, info)
         return 0
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a non-zero exit and a result record
-        from coordination.config import ConfigError
-        from train.batches import ShardError
-        from train.checkpoint import CheckpointError
-        from train.distributed import PeerFailed
-        from train.step import TrainingDiverged
-
-        explained = isinstance(exc, (ShardError, CheckpointError, PeerFailed, TrainingDiverged, FileNotFoundError,
-                                     ConfigError))
         _log.error("training iteration %d attempt %d failed on rank %d: %s", iteration, attempt, rank, exc,
-                   exc_info=not explained)
+                   exc_info=not _explained(exc))
         try:
             write_result(layout, iteration, attempt, rank, plan["run_id"],
                          {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -181,6 +213,96 @@ def run(plan_path: Path, attempt: int) -> int:
     finally:
         if info is not None:
             shutdown()
+
+
+def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
+    """A resident trainer process (train.resident): serve this node's orders until stopped.
+    Returns the exit code: 0 after a stop order, 1 after a failed iteration (its result record
+    says why), 2 on a plan that cannot be used, 4 when its driver is gone or its node was taken over."""
+    from coordination import log
+    from coordination.config import from_dict
+    from coordination.layout import RunLayout
+    from coordination.records import read_record
+    from train.config import TrainConfig
+    from train.data import read_plan
+    from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
+    from train.offload import ResidentOffload, device_memory_mb
+    from train.resident import Mailbox, watch_driver
+    from train.results import write_result
+
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    log.setup(f"train rank{rank}")
+    layout = RunLayout(log_path)
+    run_id = read_record(layout.run_json, kind="run").run_id
+    box = Mailbox(layout.job(job), node_rank, launch, run_id=run_id, local_rank=local_rank)
+
+    def gone(reason: str) -> None:
+        _log.error("resident trainer %s exits: %s", launch, reason)
+        _exit(4)
+
+    watch_driver(gone)
+    box.say("idle")
+    info, held, iteration, attempt = None, None, None, None
+    try:
+        while True:
+            order = box.next_order()
+            if order.get("stop"):
+                _log.info("resident trainer %s: stop ordered after %d orders", launch, box.seq - 1)
+                box.say("stopped")
+                return 0
+            iteration, attempt = int(order["iteration"]), int(order["attempt"])
+            plan_path = Path(order["plan"])
+            plan = read_plan(plan_path, run_id=run_id)
+            if launched_world_size() != plan["world_size"]:
+                raise ValueError(f"the plan {plan_path} was made for {plan['world_size']} trainer processes but "
+                                 f"{launched_world_size()} were launched")
+            if info is None:
+                info = init_distributed(float(plan["config"]["collective_timeout"]),
+                                        cpu_offload=offloads_to_cpu(plan["config"]))
+            if held is None or held.config != plan["config"] or held.iteration != int(plan["input_iteration"]):
+                # First order, or a plan that does not continue what this process holds: build from
+                # the plan's input checkpoint and optimizer state (the durable state).
+                box.say("loading", iteration=iteration)
+                held = None
+                held = load_held(plan, from_dict(TrainConfig, plan["config"]), info)
+                held.offload = ResidentOffload([held.t.model, held.reference], held.t.optimizer, info.device)
+            else:
+                held.offload.to_device()
+            box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
+            train_iteration(held, plan, layout, iteration, attempt, info)
+            if order.get("offload"):
+                held.offload.to_host()
+                held_mb = device_memory_mb(info.device)
+                _log.info("offloaded %.1f MiB in %d storages to host memory; device memory still held %.1f MiB",
+                          held.offload.moved_bytes / 2**20, held.offload.storages, held_mb)
+                box.say("offloaded", iteration=iteration, device_memory_mb=held_mb)
+            else:
+                box.say("idle", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
+    except Exception as exc:  # noqa: BLE001 -- every failure becomes a result record and a non-zero exit
+        _log.error("resident trainer %s failed%s: %s", launch,
+                   f" in iteration {iteration} attempt {attempt}" if iteration is not None else "", exc,
+                   exc_info=not _explained(exc))
+        if iteration is not None:
+            try:
+                write_result(layout, iteration, attempt, rank, run_id, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            except OSError:
+                pass
+        box.say("failed", iteration=iteration, error=f"{type(exc).__name__}: {exc}"[:300])
+        return 1
+    finally:
+        if info is not None:
+            shutdown()
+
+
+def _explained(exc: Exception) -> bool:
+    """Failures whose message says everything (no traceback in the log)."""
+    from coordination.config import ConfigError
+    from train.batches import ShardError
+    from train.checkpoint import CheckpointError
+    from train.distributed import PeerFailed
+    from train.step import TrainingDiverged
+
+    return isinstance(exc, (ShardError, CheckpointError, PeerFailed, TrainingDiverged, FileNotFoundError, ConfigError))
 
 
 def run_bench(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, ...]) -> int:
@@ -218,10 +340,18 @@ def run_bench(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, 
               help="--bench: Hugging Face folder to benchmark (default: a tiny model written on the fly)")
 @click.option("--config", "config_files", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               multiple=True, help="--bench: YAML file(s) whose `train` section sets the levers")
+@click.option("--resident", "resident", default=None, metavar="LAUNCH",
+              help="serve orders of the driver as the resident trainer launched as LAUNCH (needs --log-path, "
+                   "--job, --for-node; docs/design.md §2)")
+@click.option("--log-path", "log_path", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="--resident: the run folder")
+@click.option("--job", default=None, help="--resident: the job whose node gives the orders")
+@click.option("--for-node", "node_rank", type=int, default=None, help="--resident: the node rank giving the orders")
 @bench_options
 @click.argument("overrides", nargs=-1)
 def main(plan_path: Path | None, attempt: int, model: Path | None, config_files: tuple[Path, ...],
-         overrides: tuple[str, ...], **bench) -> None:
+         overrides: tuple[str, ...], resident: str | None, log_path: Path | None, job: str | None,
+         node_rank: int | None, **bench) -> None:
     """Train one iteration from its plan and publish checkpoints/iter-N (run under torchrun).
 
     With --bench: benchmark training steps on fake data; OVERRIDES are train config keys
@@ -233,6 +363,11 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
         if plan_path is not None:
             raise click.UsageError("--bench trains on fake data and takes no --plan")
         _exit(run_bench({**bench, "model": model}, config_files, overrides))
+    if resident is not None:
+        if plan_path is not None or log_path is None or job is None or node_rank is None:
+            raise click.UsageError("--resident LAUNCH takes --log-path, --job and --for-node (and no --plan: orders name "
+                                   "the plans)")
+        _exit(run_resident(log_path, job, node_rank, resident))
     if plan_path is None:
         raise click.UsageError("give --plan PLAN (the training plan of phase 8), or --bench to benchmark")
     if overrides or config_files or model is not None:

@@ -1,0 +1,191 @@
+"""The resident trainer (train.resident, docs/design.md §2 and §9.6): one torchrun per node that
+lives across iterations, and the records through which its driver gives it work.
+
+The driver launches it at the first phase 10 after a join or a failure (one rendezvous for all
+nodes), then, every iteration, publishes an *order* in the run folder:
+`jobs/<job>/nodes/rank-R/trainer/<launch>/order-K.json` with the iteration, the attempt and the
+plan (phase 8's plan file, as the per-iteration trainer reads it). The trainer processes of node
+R poll for order K+1 with the protocol's backoff (20 ms growing to 0.5 s), train, stage the
+checkpoint and write their result records (train/results.py), which the driver reads; phase 11
+publishes. Each trainer process also publishes its *state* (`state-L.json`: pid, launch,
+idle / loading / training / offloaded, device memory held) for `status` and the timeline.
+
+A trainer outlives nothing it must not: it exits when its driver's process is gone (pid and
+start time, checked every second by a thread, also during a step), when this node's claim was
+taken over (the fence its environment names), or when torchrun stops it. Any failure ends the
+process; the next attempt launches a fresh one from the last durable state.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from coordination.children import ChildFailed, check_node_and_peers, error_line, why
+from coordination.claims import process_start
+from coordination.clock import Backoff
+from coordination.layout import JobLayout
+from coordination.procgroup import die_with_parent, stop_group
+from coordination.records import ensure_dir, fence_noticed, open_own, publish_record, try_read
+
+log = logging.getLogger("baton.train.resident")
+
+ORDER_KIND = "trainer-order"
+STATE_KIND = "trainer-state"
+ENV_DRIVER = "BATON_DRIVER_PROCESS"   # "pid:start" of the driver the trainer works for
+
+
+def driver_env() -> dict[str, str]:
+    """What a trainer needs to notice that the driver launching it died (set in torchrun's env)."""
+    pid = os.getpid()
+    return {ENV_DRIVER: f"{pid}:{process_start(pid)}"}
+
+
+# -- the driver's side -----------------------------------------------------------------------
+class ResidentTrainer:
+    """One node's resident trainer, seen from its driver: launch, give orders, wait, stop."""
+
+    def __init__(self, node, log_file: Path):
+        self.node = node
+        self.log_file = log_file
+        self.proc: subprocess.Popen | None = None
+        self.launch_id: str | None = None
+        self.seq = 0
+        self.launches = 0
+        self._log_start = 0
+
+    def alive(self) -> str | None:
+        """The launch id of a trainer that is still running, else None."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.launch_id
+        return None
+
+    def launch(self, cmd: list[str], env: dict[str, str], launch_id: str) -> None:
+        """Start torchrun for `launch_id` in its own process group (any older one is stopped first)."""
+        self.stop()
+        self.node.check_fence()  # a superseded node starts nothing
+        ensure_dir(self.log_file.parent)
+        with open_own(self.log_file, "ab") as out:
+            out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} resident trainer {launch_id}: "
+                      f"{' '.join(cmd)}\n".encode())
+            out.flush()
+            self._log_start = out.tell()
+            self.proc = subprocess.Popen(cmd, env={**env, **driver_env()}, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=die_with_parent)
+        self.launch_id, self.seq = launch_id, 0
+        self.launches += 1
+        log.info("launched the resident trainer %s (torchrun pid %d)", launch_id, self.proc.pid)
+
+    def order(self, **data: Any) -> Path:
+        """Publish the next order for this node's trainer processes."""
+        if self.launch_id is None:
+            raise RuntimeError("no resident trainer was launched on this node")
+        self.seq += 1
+        path = self.node.job.trainer_order(self.node.rank, self.launch_id, self.seq)
+        ensure_dir(path.parent)
+        publish_record(path, ORDER_KIND, {"seq": self.seq, "launch": self.launch_id, **data},
+                       run_id=self.node.run_id, generation=self.node.generation)
+        return path
+
+    def wait(self, results: Callable[[], dict[str, Any]], *, peers, what: str,
+             on_tick: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Until `results()` (train.results.read_results of the ordered attempt) says every rank
+        is done: ChildFailed as soon as one rank reports an error, torchrun exits, or a peer is
+        lost; Fenced if this node was taken over. Returns the results."""
+        backoff = Backoff(0.02, 0.5)
+        while True:
+            res = results()
+            if res["errors"]:
+                rank, error = sorted(res["errors"].items())[0]
+                raise ChildFailed(f"{what}: trainer rank {rank} failed: {error}")
+            if res["ok"]:
+                return res
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                self.proc, self.launch_id = None, None
+                lines = why(self.log_file, self._log_start)
+                cause = error_line(lines)
+                raise ChildFailed(f"{what}: the resident trainer exited with code {code}"
+                                  f"{': ' + cause if cause else ''} (read {self.log_file}); from its log:\n{lines}")
+            check_node_and_peers(self.node, peers, what)
+            if on_tick is not None:
+                on_tick()
+            time.sleep(backoff.next())
+
+    def stop(self) -> None:
+        """Stop the trainer's process group (SIGTERM, then SIGKILL); returns when it is reaped."""
+        if self.proc is not None:
+            stop_group(self.proc)
+            log.info("stopped the resident trainer %s", self.launch_id)
+        self.proc, self.launch_id, self.seq = None, None, 0
+
+
+# -- the trainer's side -------------------------------------------------------------------------
+class Mailbox:
+    """A trainer process's view of its orders and its published state."""
+
+    def __init__(self, job: JobLayout, node_rank: int, launch: str, *, run_id: str, local_rank: int):
+        self.job, self.node_rank, self.launch, self.run_id = job, node_rank, launch, run_id
+        self.local_rank = local_rank
+        self.seq = 0
+
+    def next_order(self) -> dict[str, Any]:
+        """Wait for the next order (polls one known name with backoff; the driver watch thread
+        ends the process if the driver dies meanwhile)."""
+        path = self.job.trainer_order(self.node_rank, self.launch, self.seq + 1)
+        backoff = Backoff(0.02, 0.5)
+        while True:
+            rec = try_read(path, kind=ORDER_KIND, run_id=self.run_id)
+            if rec is not None:
+                self.seq += 1
+                return rec.data
+            time.sleep(backoff.next())
+
+    def say(self, state: str, *, iteration: int | None = None, device_memory_mb: float | None = None,
+            **extra: Any) -> None:
+        path = self.job.trainer_state(self.node_rank, self.local_rank)
+        ensure_dir(path.parent)
+        publish_record(path, STATE_KIND,
+                       {"pid": os.getpid(), "launch": self.launch, "state": state, "iteration": iteration,
+                        "device_memory_mb": device_memory_mb, "rank": int(os.environ.get("RANK", "0")),
+                        "time": time.time(), **extra},
+                       run_id=self.run_id, generation=0, durable=False)
+
+
+def read_states(job: JobLayout, node_rank: int, nproc: int, *, run_id: str | None = None) -> list[dict[str, Any]]:
+    """The published states of node `node_rank`'s trainer processes (those that wrote one)."""
+    out = []
+    for local in range(nproc):
+        rec = try_read(job.trainer_state(node_rank, local), kind=STATE_KIND, run_id=run_id)
+        if rec is not None:
+            out.append({"local_rank": local, **rec.data})
+    return out
+
+
+def watch_driver(on_gone: Callable[[str], None], every: float = 1.0) -> threading.Thread | None:
+    """Start a daemon thread that calls `on_gone(reason)` once the driver named in the environment
+    is gone or this node's claim was taken over. None without a driver (tests that run the
+    trainer by hand)."""
+    spec = os.environ.get(ENV_DRIVER, "")
+    pid_text, _, start = spec.partition(":")
+    if not pid_text.isdigit():
+        return None
+    pid = int(pid_text)
+
+    def loop() -> None:
+        while True:
+            if process_start(pid) != start:
+                on_gone(f"its driver (pid {pid}) is gone")
+                return
+            if fence_noticed(max_age=every):
+                on_gone("this node's rank was taken over by a newer generation")
+                return
+            time.sleep(every)
+
+    thread = threading.Thread(target=loop, name="driver-watch", daemon=True)
+    thread.start()
+    return thread
