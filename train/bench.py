@@ -93,6 +93,12 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 @click.option("--levers", is_flag=True,
               help="instead: tokens/s and memory of plain, ac, ac_offloading, chunked logprobs, LoRA and compile "
                    "on a small Llama, as ratios to plain")
+@click.option("--iteration", is_flag=True,
+              help="instead: whole RL iterations through scripts/run.sh on one node, resident trainer against "
+                   "train.resident=false (train/bench_iteration.py)")
+@click.option("--iterations", default=3, show_default=True, help="--iteration: iterations per run")
+@click.option("--train-steps", default=4, show_default=True, help="--iteration: optimizer steps per iteration")
+@click.option("--repeats", default=3, show_default=True, help="--iteration: runs per mode (modes alternate)")
 @click.option("--hidden", default=512, show_default=True, help="--levers: hidden size of the small Llama")
 @click.option("--layers", default=8, show_default=True, help="--levers: decoder blocks")
 @click.option("--vocab", default=32000, show_default=True, help="--levers: vocabulary size")
@@ -107,7 +113,7 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 @click.option("--threads", type=int, default=1, show_default=True,
               help="OMP threads per process; 0 = split the cores evenly between the processes")
 @click.option("--timeout", default=600.0, show_default=True, help="seconds allowed per torchrun launch")
-def main(as_json: bool, levers: bool, **opts) -> None:
+def main(as_json: bool, levers: bool, iteration: bool, **opts) -> None:
     """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU),
     or with --levers each memory/speed lever against plain."""
     from coordination.records import restrict_umask
@@ -115,6 +121,20 @@ def main(as_json: bool, levers: bool, **opts) -> None:
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     from train.tiny import write_tiny_model
 
+    if iteration:
+        from train.bench_iteration import run_iteration_bench
+
+        opts["threads"] = opts["threads"] or 1
+        with tempfile.TemporaryDirectory(prefix="baton-iteration-bench-") as tmp:
+            report = run_iteration_bench({**opts, "steps": opts["train_steps"]}, Path(tmp),
+                                         echo=lambda text: click.echo(text, err=True))
+        if as_json:
+            click.echo(json.dumps(report, indent=1))
+        else:
+            click.echo(f"resident {report['resident_wall_s']:.1f} s vs restart {report['restart_wall_s']:.1f} s "
+                       f"(ratio {report['ratio']:.2f}); phase 10 median {report['phase10_median_s']['resident']:.2f} s "
+                       f"vs {report['phase10_median_s']['restart']:.2f} s")
+        return
     if levers:
         from train.bench_levers import print_levers, run_levers
 
