@@ -674,6 +674,10 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         logger.info("logs of this rank: %s (driver), %s (inference), %s (trainer)", logfile,
                     node.job.log_file(args.rank, "inference"), node.job.log_file(args.rank, "trainer"))
         job = RLJob(args, cfg, node, plan)
+        if node.is_master and args.bench is None:
+            from coordination import sinks
+
+            sinks.start(cfg.logging, layout)  # W&B / TensorBoard open in the background, off every phase
         done = f"run.max_iterations ({cfg.run.max_iterations}) reached" + (
             ", final checkpoint evaluated" if job.plan.final_eval_on else "")
         if args.bench is not None:

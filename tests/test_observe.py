@@ -223,3 +223,36 @@ def test_report_skips_a_non_utf8_timeline_line_and_draws_the_rest(tmp_path, capl
     assert f"{tl}:13: skipped a damaged timeline line" in caplog.text
     res = make_report(lay.root, tmp_path / "out")
     assert any(Path(p).name == "timeline.png" for p in res["pngs"])
+
+
+def test_sinks_write_in_the_background_so_emit_never_waits_for_a_slow_sink(tmp_path):
+    """emit() only queues: a sink still busy (W&B starting, a slow filesystem) holds no phase up,
+    and close() still writes every queued iteration before it returns."""
+    import threading
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lay = RunLayout(tmp_path)
+
+    class Cfg:
+        tensorboard = True
+
+        class wandb:
+            mode = "disabled"
+
+    release = threading.Event()
+    try:
+        sinks._worker().put(release.wait)  # the sink thread is busy until released
+        started = time.monotonic()
+        for it in (1, 2, 3):
+            sinks.emit(Cfg, lay, {"iteration": it, "loss": float(it)})
+        assert time.monotonic() - started < 1.0
+        assert not lay.tensorboard_dir.exists()  # nothing written while the sink is busy
+        release.set()
+    finally:
+        release.set()
+        sinks.close()
+    acc = EventAccumulator(str(lay.tensorboard_dir))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("run/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
