@@ -41,6 +41,7 @@ class RankRow:
     waiting_for: list[int] = field(default_factory=list)
     watched_s: float = 0.0          # how long this observer has watched the rank's heartbeat
     beat: list | None = None        # [nonce, counter, generation] last read: recover re-checks it before deleting
+    trainer: list = field(default_factory=list)  # resident trainer processes: pid, state, iteration, device memory
 
 
 # States a rank cannot be in while it still runs; anything else may be a live process.
@@ -77,6 +78,31 @@ def _read(path: Path, kind: str, run_id: str | None):
         return try_read(path, kind=kind, run_id=run_id)
     except RecordError:
         return None
+
+
+def _trainer_states(jl, rank: int, run_id: str) -> list[dict[str, Any]]:
+    """The resident trainer processes of node `rank` (train/resident.py writes `state-L.json` per
+    local rank, the record kind "resident-trainer"): local ranks 0, 1, ... up to the first missing."""
+    out = []
+    for local in range(1024):
+        rec = _read(jl.trainer_state(rank, local), "resident-trainer", run_id)
+        if rec is None:
+            break
+        d = rec.data
+        out.append({"local_rank": local, "pid": d.get("pid"), "state": d.get("state"),
+                    "iteration": d.get("iteration"), "device_memory_mb": d.get("device_memory_mb"),
+                    "launch": d.get("launch")})
+    return out
+
+
+def trainer_line(rank: int, states: list[dict[str, Any]]) -> str:
+    """`rank 0 trainer: pid 812 idle after iteration 3 (device memory 0.0 MiB)`, one part per process."""
+    parts = []
+    for s in states:
+        mem = f", device memory {s['device_memory_mb']:.1f} MiB" if isinstance(s.get("device_memory_mb"), (int, float)) else ""
+        it = f" (iteration {s['iteration']})" if s.get("iteration") is not None else ""
+        parts.append(f"pid {s['pid']} {s['state']}{it}{mem}")
+    return f"  rank {rank} trainer: " + "; ".join(parts)
 
 
 def _metrics_newest_first(layout: RunLayout):
@@ -159,6 +185,8 @@ class StatusReader:
                 continue
             prog = _read(jl.progress_json, "progress", run_id)
             rows = [self._rank_row(jl, name, r, run_id) for r in range(int(job.data["num_nodes"]))]
+            for row in rows:
+                row.trainer = _trainer_states(jl, row.rank, run_id)
             jobs.append(JobStatus(name, int(job.data["num_nodes"]),
                                   int(prog.data["completed_iteration"]) if prog else 0,
                                   prog.data.get("stopped") if prog else None, rows, self._waiting(rows)))
@@ -291,6 +319,7 @@ def render(snap: dict[str, Any], width: int = 120):
         parts.append(t)
         if "message" not in cols:
             parts += [Text(f"  rank {row['rank']}: {row['message']}") for row in rows]
+        parts += [Text(trainer_line(r["rank"], r["trainer"])) for r in job["ranks"] if r.get("trainer")]
         parts.append(Text(f"now: {job['waiting']}"))
     return Group(*parts)
 

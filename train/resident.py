@@ -30,12 +30,12 @@ from coordination.claims import process_start
 from coordination.clock import Backoff
 from coordination.layout import JobLayout
 from coordination.procgroup import die_with_parent, stop_group
-from coordination.records import ensure_dir, fence_noticed, open_own, publish_record, try_read
+from coordination.records import RecordError, ensure_dir, fence_noticed, open_own, publish_record, try_read
 
 log = logging.getLogger("baton.train.resident")
 
 ORDER_KIND = "trainer-order"
-STATE_KIND = "trainer-state"
+STATE_KIND = "resident-trainer"  # coordination/status.py reads it by this name
 ENV_DRIVER = "BATON_DRIVER_PROCESS"   # "pid:start" of the driver the trainer works for
 
 
@@ -121,7 +121,23 @@ class ResidentTrainer:
         if self.proc is not None:
             stop_group(self.proc)
             log.info("stopped the resident trainer %s", self.launch_id)
+            self._mark_stopped()
         self.proc, self.launch_id, self.seq = None, None, 0
+
+    def _mark_stopped(self) -> None:
+        """The stopped processes cannot say so themselves: their state records say it for them."""
+        job, rank = self.node.job, self.node.rank
+        for local in range(1024):
+            path = job.trainer_state(rank, local)
+            try:
+                rec = try_read(path, kind=STATE_KIND, run_id=self.node.run_id)
+            except RecordError:
+                continue  # torn or foreign: nothing to correct
+            if rec is None:
+                return
+            if rec.data.get("launch") == self.launch_id and rec.data.get("state") != "stopped":
+                publish_record(path, STATE_KIND, {**rec.data, "state": "stopped", "device_memory_mb": 0.0},
+                               run_id=self.node.run_id, generation=0, durable=False)
 
 
 # -- the trainer's side -------------------------------------------------------------------------
@@ -154,16 +170,6 @@ class Mailbox:
                         "device_memory_mb": device_memory_mb, "rank": int(os.environ.get("RANK", "0")),
                         "time": time.time(), **extra},
                        run_id=self.run_id, generation=0, durable=False)
-
-
-def read_states(job: JobLayout, node_rank: int, nproc: int, *, run_id: str | None = None) -> list[dict[str, Any]]:
-    """The published states of node `node_rank`'s trainer processes (those that wrote one)."""
-    out = []
-    for local in range(nproc):
-        rec = try_read(job.trainer_state(node_rank, local), kind=STATE_KIND, run_id=run_id)
-        if rec is not None:
-            out.append({"local_rank": local, **rec.data})
-    return out
 
 
 def watch_driver(on_gone: Callable[[str], None], every: float = 1.0) -> threading.Thread | None:

@@ -138,7 +138,7 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
                                    "input_checkpoint": str(source), "input_iteration": plan["input_iteration"]},
                     lora=cfg.lora, lora_record=t.weights.record)
     held.iteration = iteration
-    data = {"ok": True, "world_size": info.world_size, "steps": history, "optimizer_step": held.opt_step,
+    data = {"ok": True, "world_size": info.world_size, "pid": os.getpid(), "steps": history, "optimizer_step": held.opt_step,
             "summary": summarise(history, plan, time.monotonic() - started)}
     write_result(layout, iteration, attempt, info.rank, run_id, data)
     if info.is_main:

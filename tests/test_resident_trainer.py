@@ -1,0 +1,204 @@
+"""The resident trainer (train.resident, docs/design.md §2 and §9.6) with real processes: one
+torchrun per node across iterations, results equal to torchrun per iteration, kill -9 of a whole
+node (in phase 1, mid-step, while the trainer idles) and of the trainer alone, the offload round
+trip, and no trainer process left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from coordination.layout import RunLayout
+from coordination.records import try_read
+from tests.e2e import check_complete_run, fresh_log, node_cmd
+from tests.tolerance import float32_tolerance
+
+FLAGS = ("--rl-phase", "both", "--eval-interval", "0", "--num-nodes", "2", "--rank-weights", "1,1")
+
+
+def _results(lay: RunLayout, iterations: int, world: int = 2) -> dict[int, dict]:
+    """Per iteration: the attempt whose results are all ok, and those results by trainer rank."""
+    from train.results import KIND
+
+    out = {}
+    for it in range(1, iterations + 1):
+        for attempt in range(1, 5):
+            recs = [try_read(lay.training_result(it, attempt, r), kind=KIND) for r in range(world)]
+            if all(r is not None and r.data["ok"] for r in recs):
+                out[it] = {"attempt": attempt, "ranks": [r.data for r in recs]}
+                break
+    return out
+
+
+def _trainer_states(lay: RunLayout, rank: int) -> list[dict]:
+    from train.resident import STATE_KIND
+
+    states = []
+    for local in range(4):
+        rec = try_read(lay.job("both").trainer_state(rank, local), kind=STATE_KIND)
+        if rec is not None:
+            states.append(rec.data)
+    return states
+
+
+def _alive(pid: int) -> bool:
+    from coordination.claims import process_start
+
+    return process_start(pid) is not None
+
+
+def _kill_trainers_left(pids: set[int]) -> list[int]:
+    """Kill (by pid) every trainer process still alive; returns those that were."""
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _all_trainer_pids(lay: RunLayout, iterations: int) -> set[int]:
+    pids = {s["pid"] for r in (0, 1) for s in _trainer_states(lay, r)}
+    for res in _results(lay, iterations).values():
+        pids |= {d["pid"] for d in res["ranks"]}
+    return pids
+
+
+def _wait(pred, what: str, procs, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} never happened:\n{procs.log('n0')[-2000:]}"
+        time.sleep(0.05)
+
+
+def _close(a, b, length: int) -> None:
+    """Equal up to float32 reductions of `length` terms summed in another order (tests/tolerance.py):
+    the runs compute the same arithmetic; only where it happens (resident memory or a reload from
+    the checkpoint's float32 files) differs."""
+    import torch
+
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    tol = float32_tolerance(float(max(a.abs().max(), b.abs().max(), 1e-30)), length)
+    assert float((a - b).abs().max()) <= tol, f"differ by {float((a - b).abs().max())} > {tol}"
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_offload_round_trip_is_bit_identical_and_frees_the_storages():
+    """Parameters, gradients and AdamW state leave their storages (0 bytes) and come back bit for bit."""
+    import torch
+
+    from train.offload import ResidentOffload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 16)).pow(2).sum().backward()
+        opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    state = {(id(p), k): v.clone() for p, s in opt.state.items() for k, v in s.items()}
+    off = ResidentOffload([model], opt, torch.device("cpu"))
+    off.to_host()
+    # 4 parameters, 4 gradients, 8 AdamW moments; the step counters are 0-d and stay
+    assert off.storages == 16
+    assert off.moved_bytes == 4 * 4 * sum(p.numel() for p in model.parameters())  # 4 float32 copies of each
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    off.to_device()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(v, state[(id(p), k)]) for p, s in opt.state.items() for k, v in s.items())
+    opt.step()  # and the optimizer still steps on the restored state
+    assert not all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration(procs, tmp_path, assets):
+    data, model = assets
+    over = ("run.max_iterations=3", "inference.between_iterations=reload")  # the same engine mode in both runs
+    runs = {}
+    try:
+        for mode in ("true", "false"):
+            log = fresh_log(tmp_path, f"resident-{mode}")
+            o = (*over, f"train.resident={mode}")
+            procs.start(f"n0-{mode}", node_cmd(data, model, log, *FLAGS, "--master", overrides=o))
+            procs.start(f"n1-{mode}", node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=o))
+            codes = procs.wait_all(900)
+            assert set(codes.values()) == {0}, procs.log(f"n0-{mode}")[-3000:]
+            runs[mode] = RunLayout(log)
+        res, ref = _results(runs["true"], 3), _results(runs["false"], 3)
+        # resident: the same two trainer processes served all three iterations
+        assert {tuple(d["pid"] for d in res[it]["ranks"]) for it in (1, 2, 3)} == {tuple(d["pid"] for d in res[1]["ranks"])}
+        assert len({tuple(d["pid"] for d in ref[it]["ranks"]) for it in (1, 2, 3)}) == 3
+        for it in (1, 2, 3):
+            a, b = res[it]["ranks"][0], ref[it]["ranks"][0]
+            assert a["optimizer_step"] == b["optimizer_step"] == 2 * it
+            _close([s["loss"] for s in a["steps"]], [s["loss"] for s in b["steps"]], 4096)
+        wa, wb = _weights(runs["true"].checkpoint(3)), _weights(runs["false"].checkpoint(3))
+        assert set(wa) == set(wb)
+        for k in wa:
+            _close(wa[k], wb[k], 4096)
+        for r in (0, 1):
+            assert "launched the resident trainer" in (runs["true"].job("both").log_file(r, "driver")).read_text()
+            assert [s["state"] for s in _trainer_states(runs["true"], r)] == ["stopped"]
+        assert _kill_trainers_left(_all_trainer_pids(runs["true"], 3)) == []
+    finally:
+        for lay in runs.values():
+            _kill_trainers_left(_all_trainer_pids(lay, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["rollout", "mid-step", "idle", "trainer-only"])
+def test_kill_9_and_restart_with_the_same_command(procs, tmp_path, assets, moment):
+    """kill -9 of the worker node (driver and its trainer) at a moment, or of its trainer alone;
+    the same command restarts the node; the run ends with exact counts, continuous optimizer
+    steps, loadable checkpoints and no trainer process of either node left."""
+    data, model = assets
+    log = fresh_log(tmp_path)
+    lay = RunLayout(log)
+    over = ("run.max_iterations=3", "tasks.tasks_per_iteration=64", "rollout.prompts_per_call=4",
+            "rollout.chunk_groups=2", "train.max_attempts=3")
+    w_cmd = node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=over)
+    procs.start("n0", node_cmd(data, model, log, *FLAGS, "--master", overrides=over))
+    procs.start("n1", w_cmd)
+    seen: set[int] = set()
+    try:
+        if moment == "rollout":  # phase 1 of iteration 2: the trainers idle (offloaded) since iteration 1
+            chunks = lay.rollout_rank_dir("train", 2, 1)
+            _wait(lambda: chunks.exists() and any(p.suffix == ".parquet" for p in chunks.iterdir()), "a chunk", procs)
+        elif moment == "idle":  # after iteration 1's training, before iteration 2 rolls out
+            _wait(lambda: any(s["state"] == "offloaded" for s in _trainer_states(lay, 1)), "an idle trainer", procs)
+        else:  # mid-step of iteration 2: the trainers have met and train
+            _wait(lambda: any(s["state"] == "training" and s.get("iteration") == 2 for s in _trainer_states(lay, 1)),
+                  "training in iteration 2", procs)
+        victims = [s["pid"] for s in _trainer_states(lay, 1)]
+        seen |= set(victims)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        if moment != "trainer-only":
+            procs.signal("n1", signal.SIGKILL)
+            procs.wait("n1", 30)
+            procs.start("n1-again", w_cmd)
+        codes = procs.wait_all(900)
+        assert set(codes.values()) == {0}, procs.log("n0")[-3000:] + procs.log(
+            "n1-again" if "n1-again" in codes else "n1")[-3000:]
+        check_complete_run(lay, 3, 64, 4, model)
+        res = _results(lay, 3)
+        assert [res[it]["ranks"][0]["optimizer_step"] for it in (1, 2, 3)] == [2, 4, 6]
+        if moment in ("mid-step", "trainer-only"):
+            assert res[2]["attempt"] == 2, "the interrupted training attempt was not retried"
+        seen |= _all_trainer_pids(lay, 3)
+        time.sleep(1.5)  # the watch threads of trainers whose driver died check once a second
+        assert _kill_trainers_left(seen) == [], "a trainer process outlived its run"
+    finally:
+        _kill_trainers_left(seen | _all_trainer_pids(lay, 3))
