@@ -132,6 +132,9 @@ def dry_run(args, cfg) -> int:
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
         echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
+        if job.resident_trainer:
+            echo("    (train.resident: launched once and kept across iterations; each iteration's plan reaches it "
+                 "as an order record, docs/design.md §9.6)")
         if args.job == "bench":
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
     memory_plan(args, cfg)

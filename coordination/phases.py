@@ -29,7 +29,7 @@ PHASES: tuple[PhaseSpec, ...] = (
     PhaseSpec(7, "stop-inference", "all", True, "stop or sleep the inference engine, free the accelerator"),
     PhaseSpec(8, "prepare-training-data", "master", False, "advantages, filtering, packing, training plan"),
     PhaseSpec(9, "training-ready", "all", True, "GO carries the rendezvous endpoint, port and attempt"),
-    PhaseSpec(10, "train", "all", True, "multi-node torchrun; a failed attempt is retried"),
+    PhaseSpec(10, "train", "all", True, "the resident trainer (or one torchrun) trains on all nodes; a failed attempt is retried"),
     PhaseSpec(11, "publish-checkpoint", "master", False, "checkpoint folder renamed into place, then LATEST"),
     PhaseSpec(12, "restart-inference", "all", False, "serve the new checkpoint (restart, reload or wake)"),
     PhaseSpec(13, "iteration-done", "all", True, "metrics of the iteration written"),
