@@ -89,8 +89,11 @@ def _open(cfg, layout: RunLayout) -> None:
         import wandb
 
         ensure_dir(layout.wandb_dir)
+        # No system metadata and no code capture: the metadata holds the command line, whose
+        # key=value overrides may carry a literal secret (docs/design.md §5 rule 11).
         _writers["wandb"] = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir), mode=cfg.wandb.mode,
-                                       name=layout.root.name)
+                                       name=layout.root.name,
+                                       settings=wandb.Settings(x_disable_meta=True, disable_code=True, save_code=False))
 
 
 def _write(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
