@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from coordination.config import load
-from coordination.driver import RLJob
+from rl.driver import RLJob
 from coordination.layout import RunLayout
-from coordination.run_cli import RunArgs
-from coordination.runconfig import RunConfig
+from rl.run_cli import RunArgs
+from rl.runconfig import RunConfig
 from coordination.runner import Step
 from coordination.phases import BY_NUMBER
 from rollout.engine import Engine

@@ -134,7 +134,7 @@ def test_max_lora_rank_takes_the_ranks_vllm_accepts_and_suggests_the_next():
 
 def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
     from coordination.config import load
-    from coordination.runconfig import RunConfig
+    from rl.runconfig import RunConfig
 
     def cfg(*over):
         return load(RunConfig, [], [f"model.path={tmp_path}", "inference.engine=vllm", "train.lora.rank=16",

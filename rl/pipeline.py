@@ -11,7 +11,7 @@ from coordination.node import PeerLost
 from coordination.records import RecordError, try_read
 
 if TYPE_CHECKING:
-    from coordination.driver import RLJob
+    from rl.driver import RLJob
 
 log = logging.getLogger("baton.pipeline")
 

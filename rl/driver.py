@@ -25,8 +25,8 @@ from coordination.node import Node
 from coordination.phases import BY_NUMBER, JOB_PHASES
 from coordination.progress import Progress
 from coordination.records import ensure_dir, open_own, publish_bytes, publish_record
-from coordination.run_cli import RunArgs
-from coordination.runconfig import RunConfig
+from rl.run_cli import RunArgs
+from rl.runconfig import RunConfig
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
 
 log = logging.getLogger("baton.driver")
@@ -291,7 +291,7 @@ class RLJob:
 
     def phase0(self, step: Step) -> dict:
         if self.args.job in ("rollout", "eval") and self.node.is_master:
-            from coordination.pipeline import wait_for_checkpoint
+            from rl.pipeline import wait_for_checkpoint
 
             need = step.iteration - 1 if self.args.job == "eval" else \
                 max(0, step.iteration - 1 - self.cfg.run.max_staleness)
@@ -331,7 +331,7 @@ class RLJob:
     def stop_inference(self, step: Step) -> dict:
         if self.args.job == "update":
             if self.node.is_master:
-                from coordination.pipeline import wait_for_rollouts
+                from rl.pipeline import wait_for_rollouts
 
                 wait_for_rollouts(self, step.iteration)
             return {}
@@ -563,7 +563,7 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
     """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
     logger = blog.setup(f"{args.job} rank{args.rank}")
     if args.dry_run:
-        from coordination.dryrun import dry_run
+        from rl.dryrun import dry_run
 
         return dry_run(args, cfg)
     layout = RunLayout(args.log_path)

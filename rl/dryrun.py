@@ -62,7 +62,7 @@ def standing(layout: RunLayout, args, cfg) -> tuple[int, list[str], bool]:
 
 
 def dry_run(args, cfg) -> int:
-    from coordination.driver import RunPlan
+    from rl.driver import RunPlan
     from coordination.manifest import master_address
 
     echo = click.echo

@@ -209,7 +209,7 @@ def main(**kw) -> None:
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     args = parse(**kw)
     from coordination.config import ConfigError
-    from coordination.runconfig import load_run_config
+    from rl.runconfig import load_run_config
 
     try:
         cfg = load_run_config(args.configs, args.config_overrides())
@@ -226,7 +226,7 @@ def main(**kw) -> None:
             check_memory(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    from coordination.driver import run_node
+    from rl.driver import run_node
 
     sys.exit(run_node(args, cfg))
 
