@@ -199,7 +199,7 @@ class RLJob:
     # -- policies and the engine ---------------------------------------------------------------
     def policy(self, iteration: int) -> tuple[int, Path]:
         """Checkpoint `iteration` (the base model for 0); it must be complete."""
-        from train.checkpoint import is_complete
+        from coordination.checkpoints import is_complete
 
         if iteration == 0:
             return 0, Path(self.cfg.model.path)
@@ -217,7 +217,7 @@ class RLJob:
 
     def ensure_engine(self, policy_iteration: int, path: Path) -> None:
         from rollout.inference import make_engine
-        from train.checkpoint import serving_weights
+        from coordination.checkpoints import serving_weights
 
         if self.engine is None:
             self.engine = make_engine(self.cfg.inference, rank=self.node.rank, restart_count=self.engine_starts,
@@ -302,7 +302,7 @@ class RLJob:
         v = default_decide(step, arrivals)
         if v.decision != "continue" or self.args.job in ("both", "bench"):
             return v
-        from train.checkpoint import read_latest
+        from coordination.checkpoints import read_latest
 
         latest = read_latest(self.layout, run_id=self.node.run_id)
         chosen = latest[0] if latest else 0
@@ -343,7 +343,7 @@ class RLJob:
         return {}
 
     def checkpoint_done(self, iteration: int) -> bool:
-        from train.checkpoint import is_complete
+        from coordination.checkpoints import is_complete
 
         return is_complete(self.layout.checkpoint(iteration), run_id=self.node.run_id)
 
@@ -463,7 +463,7 @@ class RLJob:
         log.info("benchmark results: %s", path)
 
     def publish(self, step: Step) -> dict:
-        from train.checkpoint import apply_retention, publish_checkpoint
+        from coordination.checkpoints import apply_retention, publish_checkpoint
 
         attempt = int(step.go_payload(10).get("attempt", 1))
         publish_checkpoint(self.layout, step.iteration, self.layout.checkpoint_staging(step.iteration, attempt),
@@ -481,7 +481,7 @@ class RLJob:
         it, path = self.policy(step.iteration)
         if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
                 and self.engine.running):
-            from train.checkpoint import serving_weights
+            from coordination.checkpoints import serving_weights
 
             weights, adapter = serving_weights(path)
             self.engine.wake(weights)

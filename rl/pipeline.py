@@ -51,7 +51,7 @@ def wait_for_checkpoint(rl: "RLJob", need: int) -> None:
     """Rollout/eval job master: wait until LATEST is at least iteration `need`."""
     if need <= 0:
         return
-    from train.checkpoint import read_latest
+    from coordination.checkpoints import read_latest
 
     def probe():
         latest = read_latest(rl.layout, run_id=rl.node.run_id)

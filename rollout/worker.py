@@ -223,7 +223,7 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
     from rollout.rewards import load_reward
     from rollout.split import rank_slice, sample_iteration
     from rollout.tasks import load_tasks
-    from train.checkpoint import serving_weights
+    from coordination.checkpoints import serving_weights
 
     cfg = load(RolloutConfig, [], list(overrides))
     weights = [float(w) for w in rank_weights.split(",")]
@@ -268,7 +268,7 @@ def main() -> None:
         keys, e.g. group_size=4 chunk_groups=1."""
         log.setup(f"rank{kw['rank']} rollout")
         overrides = kw.pop("overrides")
-        from train.checkpoint import CheckpointError
+        from coordination.checkpoints import CheckpointError
 
         try:
             summary = _main_impl(overrides=overrides, **kw)

@@ -76,7 +76,7 @@ def _load(plan: dict[str, Any], cfg, layout, iteration: int, info):
 def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
     from coordination.config import from_dict
     from train.batches import collate
-    from train.checkpoint import publish_checkpoint
+    from coordination.checkpoints import publish_checkpoint
     from train.config import TrainConfig
     from train.distributed import agreed
     from train.export import prepare_output_dir, save_checkpoint
@@ -129,7 +129,7 @@ def run(plan_path: Path, attempt: int) -> int:
     from coordination import log
     from coordination.layout import RunLayout
     from coordination.records import read_record
-    from train.checkpoint import is_complete, publish_checkpoint
+    from coordination.checkpoints import is_complete, publish_checkpoint
     from train.data import read_plan
     from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
     from train.results import write_result
@@ -164,7 +164,7 @@ def run(plan_path: Path, attempt: int) -> int:
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a non-zero exit and a result record
         from coordination.config import ConfigError
         from train.batches import ShardError
-        from train.checkpoint import CheckpointError
+        from coordination.checkpoints import CheckpointError
         from train.distributed import PeerFailed
         from train.step import TrainingDiverged
 
