@@ -216,7 +216,7 @@ class RLJob:
         return self.policy(int(step.go_payload(0)["policy_iteration"]))
 
     def ensure_engine(self, policy_iteration: int, path: Path) -> None:
-        from rollout.inference import make_engine
+        from rollout.engines import make_engine
         from coordination.checkpoints import serving_weights
 
         if self.engine is None:

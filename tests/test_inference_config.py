@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from coordination.config import ConfigError, field_help, from_dict
-from rollout.inference import InferenceConfig, VLLMConfig, is_loopback, make_engine
+from rollout.engines import make_engine
+from rollout.inference import InferenceConfig, VLLMConfig, is_loopback
 
 
 def test_defaults_are_transformers_restart_on_loopback():
