@@ -35,6 +35,7 @@ from rl.plan import RunPlan, make_plan
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
+from rollout.rewards import load_reward
 from train.benchmark import render_table
 
 log = logging.getLogger("baton.driver")
@@ -151,30 +152,29 @@ class RLJob:
 
     def reward(self):
         if self._reward is None:
-            from rollout.rewards import load_reward
-
             self._reward = load_reward(self.cfg.tasks.reward)
         return self._reward
 
     # -- actions -------------------------------------------------------------------------------
     def roll_out(self, step: Step, split: str) -> dict:
-        from rollout.worker import rollout_rank, sampling_for  # pyarrow: imported when a phase needs it (fast dry runs)
+        # rollout.worker, rollout.aggregate and train.data load pyarrow: imported when a phase
+        # needs them, so dry runs and refused commands answer fast.
+        from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 
         policy_it, path = self.rollout_policy(step)
         self.ensure_engine(policy_it, path)
         mine = self.shares(split, step.iteration)[self.node.rank]
         sampling, group = sampling_for(self.cfg.rollout, split)
-        s = rollout_rank(engine=self.engine, tokenizer=self.tokenizer(), tasks=mine, layout=self.layout, split=split,
-                         iteration=step.iteration, rank=self.node.rank, generation=self.node.generation,
-                         run_id=self.node.run_id, policy_iteration=policy_it, cfg=self.cfg.rollout,
-                         reward_fn=self.reward(), group_size=group, sampling=sampling,
-                         on_progress=lambda done, total, msg: self.node.say(msg),
+        target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
+                               generation=self.node.generation, policy_iteration=policy_it)
+        sampler = Sampler(self.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
+        s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),
                            policy_iteration=policy_it).to_dict()
 
     def aggregate(self, step: Step, split: str, barrier_phase: int, arrivals: dict[int, Arrival] | None = None) -> dict:
-        from rollout.aggregate import aggregate  # pyarrow, as in roll_out
+        from rollout.aggregate import aggregate  # pyarrow: see roll_out
         from rollout.worker import sampling_for
 
         gens = ({r: a.generation for r, a in arrivals.items()} if arrivals is not None
@@ -238,7 +238,7 @@ class RLJob:
         return is_complete(self.layout.checkpoint(iteration), run_id=self.node.run_id)
 
     def prepare(self, step: Step) -> dict:
-        from train.data import prepare_training_data  # pyarrow, as in roll_out
+        from train.data import prepare_training_data  # pyarrow: see roll_out
 
         if self.checkpoint_done(step.iteration):
             return {"skipped": "checkpoint already published"}
