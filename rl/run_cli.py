@@ -24,7 +24,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from coordination.config import redact_argv
+from coordination.config import SECRET_KEYS, ConfigError, is_secret_reference, redact_argv
+from coordination.records import restrict_umask
 
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
@@ -141,8 +142,6 @@ def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict)
 
 
 def _warn_literal_secrets(overrides) -> None:
-    from coordination.config import SECRET_KEYS, is_secret_reference
-
     for o in overrides:
         key, _, value = o.partition("=")
         if key.strip() in SECRET_KEYS and value and not is_secret_reference(value):
@@ -204,11 +203,10 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def main(**kw) -> None:
     """Run this node's part of a baton RL job. Start it with the same --log-path on every node."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     args = parse(**kw)
-    from coordination.config import ConfigError
+    # The run config, the trainer's checks and the driver are imported only now, after the flags
+    # parsed: `--help` and usage errors answer at once (tests/test_run_cli.py checks it).
     from rl.runconfig import load_run_config
 
     try:
