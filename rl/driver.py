@@ -128,6 +128,10 @@ class RLJob:
     def engine(self):
         return self.engines.engine
 
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.engines.engine = engine
+
     @property
     def served(self) -> int | None:
         return self.engines.served
@@ -427,7 +431,7 @@ class BenchJob(RLJob):
 
     def phases(self) -> list[Phase]:
         P, spec = PhaseId, BY_NUMBER
-        return [Phase(spec[P.SYNC]), Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
+        return [Phase(spec[P.SYNC], self.phase0, self.decide0), Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
                 Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts)]
 
     def finished_reason(self) -> str:
