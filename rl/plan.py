@@ -8,7 +8,7 @@ from pathlib import Path
 
 from coordination.config import ConfigError
 from coordination.layout import RunLayout
-from rl.jobs import KINDS, JobKind
+from rl.jobs import JobKind
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
 from rollout.rewards import RewardError, check_reward
@@ -22,7 +22,7 @@ class RunPlan:
 
     def __init__(self, args: RunArgs, cfg: RunConfig):
         self.args, self.cfg = args, cfg
-        self.kind: JobKind = KINDS[args.job]
+        self.kind: JobKind = args.kind
         self._pools: dict[str, list] = {}
 
     @property

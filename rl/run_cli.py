@@ -26,6 +26,7 @@ from click.core import ParameterSource
 
 from coordination.config import SECRET_KEYS, ConfigError, is_secret_reference, redact_argv
 from coordination.records import restrict_umask
+from rl.jobs import KINDS, JobKind
 
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
@@ -58,6 +59,11 @@ class RunArgs:
         if self.rl_phase == "rollout":
             return "rollout" if self.rollout_split == "train-only" else "eval"
         return self.rl_phase
+
+    @property
+    def kind(self) -> JobKind:
+        """What this job does (rl/jobs.py)."""
+        return KINDS[self.job]
 
     @property
     def is_master(self) -> bool:
@@ -212,11 +218,11 @@ def main(**kw) -> None:
     try:
         cfg = load_run_config(args.configs, args.config_overrides())
         cfg.check_for(args.rl_phase)
-        if args.job in ("both", "update", "bench"):
+        if args.kind.trains:
             from train.config import check_launch
 
             check_launch(cfg.train, args.num_nodes)
-        if args.job != "bench":
+        if args.bench is None:
             from train.memory_plan import check_memory
 
             # Before run_node writes anything: a trainer and an engine that cannot share the GPUs
