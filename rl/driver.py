@@ -31,7 +31,7 @@ from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decid
 from rl.dryrun import dry_run
 from rl.payloads import EvalChoice, EvalResult, IterationSummary, RolloutDone, SyncGo, TrainAggregated
 from rl.pipeline import wait_for_checkpoint
-from rl.plan import RunPlan, make_plan
+from rl.plan import RUNS_WHEN, RunPlan, make_plan
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
@@ -383,39 +383,33 @@ class RLJob:
                                                             eval_accuracy=rec.get("eval_accuracy"),
                                                             loss=rec.get("loss")).to_dict())
 
-    # -- when each phase runs, and the table (docs/design.md §6) ------------------------------
-    def trains_this_iteration(self, step: Step) -> bool:
-        """Every iteration but the evaluation-only one that measures the final checkpoint."""
-        return not self.is_final_eval(step.iteration)
-
-    def rolls_out_this_iteration(self, step: Step) -> bool:
-        return self.kind.rolls_out and self.trains_this_iteration(step)
-
-    def evaluates_this_iteration(self, step: Step) -> bool:
-        return self.kind.evaluates and self.is_eval(step.iteration)
-
+    # -- the table (docs/design.md §6): which phases run is RunPlan.runs (rl/plan.py, RUNS_WHEN) --
     def phases(self) -> list[Phase]:
         P, spec = PhaseId, BY_NUMBER
-        rolls_out, evaluates, trains = self.rolls_out_this_iteration, self.evaluates_this_iteration, \
-            self.trains_this_iteration
         table = {
             P.SYNC: Phase(spec[P.SYNC], self.phase0, self.decide0),
-            P.TRAIN_ROLLOUT: Phase(spec[P.TRAIN_ROLLOUT], lambda s: self.roll_out(s, "train"), enabled=rolls_out),
-            P.TRAIN_ROLLOUT_DONE: Phase(spec[P.TRAIN_ROLLOUT_DONE], enabled=rolls_out),
-            P.AGGREGATE_TRAIN: Phase(spec[P.AGGREGATE_TRAIN], self.aggregate_train, enabled=rolls_out),
-            P.TRAIN_FILES_READY: Phase(spec[P.TRAIN_FILES_READY], decide=self.decide_eval_choice, enabled=rolls_out),
-            P.EVAL: Phase(spec[P.EVAL], lambda s: self.roll_out(s, "eval"), enabled=evaluates),
-            P.AGGREGATE_EVAL: Phase(spec[P.AGGREGATE_EVAL], decide=self.decide_eval, enabled=evaluates),
-            P.STOP_INFERENCE: Phase(spec[P.STOP_INFERENCE], self.stop_inference, enabled=trains),
-            P.PREPARE_TRAINING_DATA: Phase(spec[P.PREPARE_TRAINING_DATA], self.prepare, enabled=trains),
-            P.TRAINING_READY: Phase(spec[P.TRAINING_READY], decide=self.decide_ready, enabled=trains),
-            P.TRAIN: Phase(spec[P.TRAIN], self.train, self.decide_train, enabled=trains,
-                           max_attempts=self.cfg.train.max_attempts),
-            P.PUBLISH_CHECKPOINT: Phase(spec[P.PUBLISH_CHECKPOINT], self.publish, enabled=trains),
-            P.RESTART_INFERENCE: Phase(spec[P.RESTART_INFERENCE], self.restart_inference, enabled=trains),
+            P.TRAIN_ROLLOUT: Phase(spec[P.TRAIN_ROLLOUT], lambda s: self.roll_out(s, "train")),
+            P.TRAIN_ROLLOUT_DONE: Phase(spec[P.TRAIN_ROLLOUT_DONE]),
+            P.AGGREGATE_TRAIN: Phase(spec[P.AGGREGATE_TRAIN], self.aggregate_train),
+            P.TRAIN_FILES_READY: Phase(spec[P.TRAIN_FILES_READY], decide=self.decide_eval_choice),
+            P.EVAL: Phase(spec[P.EVAL], lambda s: self.roll_out(s, "eval")),
+            P.AGGREGATE_EVAL: Phase(spec[P.AGGREGATE_EVAL], decide=self.decide_eval),
+            P.STOP_INFERENCE: Phase(spec[P.STOP_INFERENCE], self.stop_inference),
+            P.PREPARE_TRAINING_DATA: Phase(spec[P.PREPARE_TRAINING_DATA], self.prepare),
+            P.TRAINING_READY: Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
+            P.TRAIN: Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts),
+            P.PUBLISH_CHECKPOINT: Phase(spec[P.PUBLISH_CHECKPOINT], self.publish),
+            P.RESTART_INFERENCE: Phase(spec[P.RESTART_INFERENCE], self.restart_inference),
             P.ITERATION_DONE: Phase(spec[P.ITERATION_DONE], decide=self.decide_done),
         }
-        return [table[n] for n in self.kind.phases]
+        return [self._when(table[n]) for n in self.kind.phases]
+
+    def _when(self, phase: Phase) -> Phase:
+        """`phase`, running in the iterations its RUNS_WHEN condition names."""
+        number = phase.spec.number
+        if number in RUNS_WHEN:
+            phase.enabled = lambda s: self.plan.runs(number, s.iteration)
+        return phase
 
     def aggregate_train(self, step: Step) -> dict:
         return TrainAggregated.brief(self.aggregate(step, "train", PhaseId.TRAIN_ROLLOUT_DONE)).to_dict()
@@ -431,8 +425,9 @@ class BenchJob(RLJob):
 
     def phases(self) -> list[Phase]:
         P, spec = PhaseId, BY_NUMBER
-        return [Phase(spec[P.SYNC], self.phase0, self.decide0), Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
-                Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts)]
+        return [self._when(p) for p in (
+            Phase(spec[P.SYNC], self.phase0, self.decide0), Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
+            Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts))]
 
     def finished_reason(self) -> str:
         return (f"benchmark done: results in {self.args.bench['bench_output_json'] or self.node.job.bench_json} "

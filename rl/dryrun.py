@@ -16,9 +16,9 @@ import click
 from coordination.config import ConfigError, differences, dump_yaml, to_dict
 from coordination.layout import RunLayout
 from coordination.manifest import NODE_LOCAL_KEYS, master_address, read_config_yaml
-from coordination.phases import BY_NUMBER, PhaseId, phase_name
+from coordination.phases import BY_NUMBER, phase_name
 from coordination.records import RecordError, try_read
-from rl.plan import make_plan
+from rl.plan import RUNS_WHEN, make_plan
 from rollout.engines.vllm_server import build_server
 from rollout.inference import resolve_dtype
 from train.memory_plan import engine_on_gpu, format_plan, make_plan as make_memory_plan
@@ -85,12 +85,12 @@ def dry_run(args, cfg) -> int:
         spec = BY_NUMBER[n]
         acts = spec.who == "all" or args.is_master
         note = []
-        if n in (PhaseId.EVAL, PhaseId.AGGREGATE_EVAL) and not plan.is_eval(it):
-            note.append("skipped: not an eval iteration")
+        if not plan.runs(n, it):
+            note.append(f"skipped in iteration {it}: RunPlan.{RUNS_WHEN[n]} is false")
         echo(f"  {n:2d} {spec.name:24s} {'acts' if acts else 'waits':5s} {'barrier' if spec.barrier else '':7s} "
              f"{spec.summary}{' (' + '; '.join(note) + ')' if note else ''}")
 
-    splits = [s for s, on in (("train", kind.rolls_out), ("eval", kind.evaluates and plan.is_eval(it))) if on]
+    splits = [s for s, on in (("train", plan.rolls_out_in(it)), ("eval", plan.evaluates_in(it))) if on]
     if splits:
         echo("\n## task split for iteration %d (rank weights %s)\n" % (it, args.rank_weights))
     for split in splits:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from coordination.config import ConfigError
 from coordination.layout import RunLayout
+from coordination.phases import PhaseId
 from rl.jobs import JobKind
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
@@ -47,6 +48,22 @@ class RunPlan:
             nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
             is_host=is_host, local_addr=local_addr, module="train.trainer",
             args=self.trainer_args(layout, iteration, attempt, rank), join_timeout=int(self.cfg.train.collective_timeout))
+
+    # -- which phases run in an iteration (docs/design.md §6): RUNS_WHEN names the condition ------
+    def trains_in(self, it: int) -> bool:
+        """Every iteration but the evaluation-only one that measures the final checkpoint."""
+        return not self.is_final_eval(it)
+
+    def rolls_out_in(self, it: int) -> bool:
+        return self.kind.rolls_out and self.trains_in(it)
+
+    def evaluates_in(self, it: int) -> bool:
+        return self.kind.evaluates and self.is_eval(it)
+
+    def runs(self, phase: int, it: int) -> bool:
+        """Whether `phase` of this job's table runs in iteration `it` (the driver and the dry run ask)."""
+        condition = RUNS_WHEN.get(phase)
+        return phase in self.kind.phases and (condition is None or getattr(self, condition)(it))
 
     def is_final_eval(self, it: int) -> bool:
         return self.final_eval_on and it == self.cfg.run.max_iterations + 1
@@ -89,6 +106,25 @@ class RunPlan:
 
     def shares(self, split: str, iteration: int) -> list[list]:
         return split_plan(self.tasks_of(split, iteration), self.args.rank_weights)
+
+
+P = PhaseId
+# The condition (a RunPlan method of the iteration) under which each phase runs; phases not
+# listed (0 sync and 13 iteration-done) run in every iteration of a job that has them.
+RUNS_WHEN: dict[int, str] = {
+    P.TRAIN_ROLLOUT: "rolls_out_in",
+    P.TRAIN_ROLLOUT_DONE: "rolls_out_in",
+    P.AGGREGATE_TRAIN: "rolls_out_in",
+    P.TRAIN_FILES_READY: "rolls_out_in",
+    P.EVAL: "evaluates_in",
+    P.AGGREGATE_EVAL: "evaluates_in",
+    P.STOP_INFERENCE: "trains_in",
+    P.PREPARE_TRAINING_DATA: "trains_in",
+    P.TRAINING_READY: "trains_in",
+    P.TRAIN: "trains_in",
+    P.PUBLISH_CHECKPOINT: "trains_in",
+    P.RESTART_INFERENCE: "trains_in",
+}
 
 
 class BenchPlan(RunPlan):
