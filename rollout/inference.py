@@ -1,7 +1,9 @@
-"""The `inference` config section and `make_engine`, the one place that turns it into an engine.
+"""The `inference` config section: the types the engines and the run config share.
 
 Two engines share the `rollout.engine.Engine` interface: the in-process transformers engine
-(CPU runs, tests, the demo) and a vLLM server subprocess (rollout/engines/vllm_engine.py).
+(CPU runs, tests, the demo) and a vLLM server subprocess (rollout/engines/vllm_engine.py);
+`rollout.engines.make_engine` turns this section into one. The engines import this module and
+it imports no engine, so the two never form a circle (docs/design.md §3).
 `between_iterations` says what the driver does with the engine while training runs: stop it
 and start it again on the new checkpoint (`restart`, the only mode that needs no vLLM dev routes),
 keep it alive and swap weights (`reload`), or sleep and wake (`sleep`). `auto`, the default, is
@@ -11,12 +13,10 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from coordination.config import (ConfigError, check_secret_reference, non_negative, option, positive, resolve_secret,
                                   section)
-from rollout.engine import Engine
 
 # Flags baton derives from other settings; setting them in extra_args would contradict those.
 MANAGED_FLAGS = {
@@ -209,29 +209,3 @@ def resolve_dtype(cfg: InferenceConfig, *, on_gpu: bool) -> str:
         return cfg.dtype
     return "bfloat16" if on_gpu else "float32"
 
-
-def make_engine(cfg: InferenceConfig, *, rank: int, restart_count: int, temperature: float,
-                log_file: Path | None, debug_mode: bool = False) -> Engine:
-    """The engine `cfg` describes, not yet started. `temperature` is the rollout sampling temperature
-    (the vLLM server must know it to return logprobs of the tempered distribution); `restart_count`
-    counts this rank's engine starts so each start gets its own server seed."""
-    if cfg.engine == "transformers":
-        import torch
-
-        from rollout.engines.transformers_engine import TransformersEngine
-
-        device = cfg.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersEngine(device=device, dtype=resolve_dtype(cfg, on_gpu=device.startswith("cuda")),
-                                  max_batch_sequences=cfg.max_batch_sequences)
-    from rollout.engines.vllm_engine import VLLMEngine
-
-    if debug_mode and not cfg.vllm.debug_url:
-        raise ConfigError(
-            "--debug-mode with inference.engine=vllm uses a server you started yourself: set "
-            "inference.vllm.debug_url=http://HOST:PORT (or run without --debug-mode to let baton start it)")
-    return VLLMEngine(cfg.vllm, between_iterations=cfg.between_iterations,
-                      dtype=resolve_dtype(cfg, on_gpu=not cfg.vllm.cpu), rank=rank,
-                      restart_count=restart_count, temperature=temperature, log_file=log_file,
-                      debug_mode=debug_mode)

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import click
 
+from coordination.records import publish_bytes, restrict_umask
+
 REQUIRED = ("id", "answer")
 ARITHMETIC_OPS = ("+", "-", "*")
 
@@ -148,8 +150,6 @@ def load_tasks(path: Path) -> list[Task]:
 
 
 def write_tasks(path: Path, tasks: list[Task]) -> None:
-    from coordination.records import publish_bytes
-
     text = "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in tasks)
     publish_bytes(Path(path), text.encode("utf-8"))
 
@@ -196,8 +196,6 @@ GENERATORS = {"arithmetic": arithmetic_tasks}
 @click.group()
 def main() -> None:
     """Task files: make built-in task sets, check a JSONL file."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
 
 

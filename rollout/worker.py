@@ -14,9 +14,12 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from coordination import log
+from coordination.checkpoints import CheckpointError, serving_weights
+from coordination.config import load
 from coordination.layout import RunLayout
 from coordination.progress import Progress
 from coordination.records import NotThereYet
@@ -26,8 +29,9 @@ from rollout.chunks import (Manifest, RolloutError, complete_groups, completion_
 from rollout.config import RolloutConfig
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.prompts import encode_prompt
-from rollout.rewards import RewardFn
-from rollout.tasks import Task
+from rollout.rewards import RewardFn, load_reward
+from rollout.split import rank_slice, sample_iteration
+from rollout.tasks import Task, load_tasks
 
 _log = log.get("rollout")
 
@@ -124,15 +128,44 @@ def _resume(layout: RunLayout, split: str, iteration: int, rank: int, generation
     return manifest, (chunks[-1].seq + 1 if chunks else 0)
 
 
-def rollout_rank(*, engine: Engine, tokenizer: Any, tasks: Sequence[Task], layout: RunLayout, split: str,
-                 iteration: int, rank: int, generation: int, run_id: str, policy_iteration: int,
-                 cfg: RolloutConfig, reward_fn: RewardFn, group_size: int, sampling: Sampling,
+@dataclass(frozen=True)
+class RolloutTarget:
+    """Where one rank's rollouts of one iteration are written and what they carry: the run folder,
+    split, iteration and rank, the writer's run id and claim generation, the policy sampled."""
+
+    layout: RunLayout
+    split: str
+    iteration: int
+    rank: int
+    run_id: str
+    generation: int
+    policy_iteration: int
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How the samples are made and scored: the engine and its tokenizer, the rollout config, the
+    reward, and the split's sampling settings and group size (`sampling_for`)."""
+
+    engine: Engine
+    tokenizer: Any
+    cfg: RolloutConfig
+    reward_fn: RewardFn
+    sampling: Sampling
+    group_size: int
+
+
+def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task], *,
                  on_progress: Callable[[int, int, str], None] | None = None,
                  fence: Callable[[], None] | None = None) -> RolloutSummary:
-    """Roll out this rank's `tasks` (G = `group_size` samples each), write chunks and DONE.
+    """Roll out this rank's `tasks` (G = `sampler.group_size` samples each), write chunks and DONE.
 
     Idempotent: a DONE of this generation or an older one that already lists every task is
     (re)published under this generation and returned without generating anything."""
+    layout, split, iteration, rank = target.layout, target.split, target.iteration, target.rank
+    run_id, generation, policy_iteration = target.run_id, target.generation, target.policy_iteration
+    engine, tokenizer, cfg = sampler.engine, sampler.tokenizer, sampler.cfg
+    reward_fn, sampling, group_size = sampler.reward_fn, sampler.sampling, sampler.group_size
     t0 = time.monotonic()
     fence = fence or (lambda: None)
     report = on_progress or (lambda done, total, message: None)
@@ -216,14 +249,7 @@ def rollout_rank(*, engine: Engine, tokenizer: Any, tasks: Sequence[Task], layou
 def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iteration: int, rank: int,
                generation: int, run_id: str, rank_weights: str, tasks_per_iteration: int, reward: str,
                policy_iteration: int, overrides: tuple[str, ...]) -> RolloutSummary:
-    from pathlib import Path
-
-    from coordination.config import load
-    from rollout.engines.transformers_engine import TransformersEngine
-    from rollout.rewards import load_reward
-    from rollout.split import rank_slice, sample_iteration
-    from rollout.tasks import load_tasks
-    from train.checkpoint import serving_weights
+    from rollout.engines.transformers_engine import TransformersEngine  # torch: only this command needs it
 
     cfg = load(RolloutConfig, [], list(overrides))
     weights = [float(w) for w in rank_weights.split(",")]
@@ -236,10 +262,9 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
     with TransformersEngine() as engine:
         engine.start(served)
         engine.set_adapter(adapter)
-        return rollout_rank(engine=engine, tokenizer=engine.tokenizer, tasks=mine, layout=RunLayout(Path(log_path)),
-                            split=split, iteration=iteration, rank=rank, generation=generation, run_id=run_id,
-                            policy_iteration=policy_iteration, cfg=cfg, reward_fn=load_reward(reward),
-                            group_size=group_size, sampling=sampling)
+        return rollout_rank(RolloutTarget(RunLayout(Path(log_path)), split, iteration, rank, run_id=run_id,
+                                          generation=generation, policy_iteration=policy_iteration),
+                            Sampler(engine, engine.tokenizer, cfg, load_reward(reward), sampling, group_size), mine)
 
 
 def main() -> None:
@@ -268,8 +293,6 @@ def main() -> None:
         keys, e.g. group_size=4 chunk_groups=1."""
         log.setup(f"rank{kw['rank']} rollout")
         overrides = kw.pop("overrides")
-        from train.checkpoint import CheckpointError
-
         try:
             summary = _main_impl(overrides=overrides, **kw)
         except (ValueError, RolloutError, EngineError, CheckpointError) as exc:

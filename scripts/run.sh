@@ -7,4 +7,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export BATON_PROG="scripts/run.sh"
 # Small machines: one BLAS thread per process unless the user says otherwise (docs/design.md §10.2).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$python" -P -m coordination.run_cli "$@"
+exec "$python" -P -m rl.run_cli "$@"

@@ -52,7 +52,7 @@ def checkpoints_load(lay: RunLayout, iterations: list[int], base: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from train.checkpoint import is_complete
+    from coordination.checkpoints import is_complete
 
     ref = AutoModelForCausalLM.from_pretrained(base).state_dict()
     for it in iterations:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from coordination.config import load
-from coordination.driver import RLJob
+from rl.driver import RLJob
 from coordination.layout import RunLayout
-from coordination.run_cli import RunArgs
-from coordination.runconfig import RunConfig
+from rl.run_cli import RunArgs
+from rl.runconfig import RunConfig
 from coordination.runner import Step
 from coordination.phases import BY_NUMBER
 from rollout.engine import Engine
@@ -76,7 +76,7 @@ def test_engine_between_iterations(monkeypatch, tmp_path, mode, expected):
     args = RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0)
     job = RLJob(args, cfg, FakeNode(tmp_path))
     engine = RecordingEngine()
-    monkeypatch.setattr("rollout.inference.make_engine", lambda *a, **k: engine)
+    monkeypatch.setattr("rollout.engines.make_engine", lambda *a, **k: engine)
     monkeypatch.setattr(RLJob, "policy", lambda self, it: (it, Path(f"/ckpt/iter-{it}")))
     job.ensure_engine(0, Path("/ckpt/iter-0"))                      # phases 1/5 of iteration 1
     step = Step(None, 1, BY_NUMBER[7], 1, {})
@@ -130,7 +130,7 @@ def test_adapters_only_checkpoints_are_served_as_the_base_plus_their_adapter(mon
     args = RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0)
     job = RLJob(args, cfg, FakeNode(tmp_path))
     engine = AdapterRecordingEngine()
-    monkeypatch.setattr("rollout.inference.make_engine", lambda *a, **k: engine)
+    monkeypatch.setattr("rollout.engines.make_engine", lambda *a, **k: engine)
     monkeypatch.setattr(RLJob, "policy", lambda self, it: (it, folders[it]))
     job.ensure_engine(0, base)
     for it in (1, 2):

@@ -66,7 +66,7 @@ def _max_logprob_gap(table, base: Path, adapter: Path | None, temperature: float
 
 
 def test_lora_run_publishes_adapters_only_and_samples_the_next_iteration_from_them(procs, tmp_path, assets):
-    from train.checkpoint import is_complete, serving_weights
+    from coordination.checkpoints import is_complete, serving_weights
 
     data, model = assets
     log = fresh_log(tmp_path)

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from coordination.config import ConfigError, field_help, from_dict
-from rollout.inference import InferenceConfig, VLLMConfig, is_loopback, make_engine
+from rollout.engines import make_engine
+from rollout.inference import InferenceConfig, VLLMConfig, is_loopback
 
 
 def test_defaults_are_transformers_auto_on_loopback():
@@ -24,7 +25,7 @@ def test_defaults_are_transformers_auto_on_loopback():
     (["inference.engine=vllm", "inference.between_iterations=reload"], "reload"),  # an explicit mode stays
 ])
 def test_auto_between_iterations_is_resolved_once_in_the_run_config(overrides, expected):
-    from coordination.runconfig import load_run_config
+    from rl.runconfig import load_run_config
 
     cfg = load_run_config([], ["model.path=/m", *overrides])
     assert cfg.inference.between_iterations == expected
@@ -149,7 +150,7 @@ def test_max_lora_rank_takes_the_ranks_vllm_accepts_and_suggests_the_next():
 
 def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
     from coordination.config import load
-    from coordination.runconfig import RunConfig
+    from rl.runconfig import RunConfig
 
     def cfg(*over):
         return load(RunConfig, [], [f"model.path={tmp_path}", "inference.engine=vllm", "train.lora.rank=16",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coordination.runconfig import load_run_config
+from rl.runconfig import load_run_config
 from tests.procs import ROOT, env
 from train.memory_plan import GIB, ModelShape, make_plan, trainer_memory
 

@@ -120,7 +120,7 @@ def test_dry_run_prints_plan_split_and_commands_and_writes_nothing(tmp_path):
 def test_training_progress_follows_the_trainer_log(tmp_path, caplog):
     import logging
 
-    from coordination.driver import StepProgress
+    from rl.driver import StepProgress
 
     said = []
 
@@ -150,7 +150,7 @@ def _recorded_run(tmp_path: Path, *, completed: int, stopped: str | None) -> tup
     import yaml
 
     from coordination.config import to_dict
-    from coordination.runconfig import load_run_config
+    from rl.runconfig import load_run_config
 
     data, model = make_assets(tmp_path / "assets")
     log = tmp_path / "run"
@@ -203,7 +203,7 @@ def test_each_finished_iteration_is_one_console_line_with_reward_accuracy_and_se
     import logging
 
     from coordination.barrier import Go
-    from coordination.driver import _say_iteration_done
+    from rl.driver import _say_iteration_done
 
     go = Go("continue", "", {"train_reward_mean": 0.5, "eval_accuracy": 0.375, "loss": None}, 1)
     with caplog.at_level(logging.INFO, logger="baton.driver"):

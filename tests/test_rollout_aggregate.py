@@ -20,7 +20,7 @@ from rollout.eval import evaluate, pass_at_k
 from rollout.rewards import load_reward
 from rollout.split import split_plan
 from rollout.tasks import arithmetic_tasks
-from rollout.worker import rollout_rank, sampling_for
+from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 from train.tiny import write_tiny_model
 
 RUN_ID = "run-agg"
@@ -88,9 +88,8 @@ def test_aggregation_of_real_rank_rollouts_equals_their_union(tmp_path_factory, 
     with TransformersEngine() as engine:
         engine.start(model)
         for rank, share in enumerate(plan):
-            rollout_rank(engine=engine, tokenizer=engine.tokenizer, tasks=share, layout=layout, split="train",
-                         iteration=1, rank=rank, generation=1, run_id=RUN_ID, policy_iteration=0, cfg=cfg,
-                         reward_fn=load_reward("arithmetic"), group_size=group_size, sampling=sampling)
+            rollout_rank(RolloutTarget(layout, "train", 1, rank, run_id=RUN_ID, generation=1, policy_iteration=0),
+                         Sampler(engine, engine.tokenizer, cfg, load_reward("arithmetic"), sampling, group_size), share)
             for chunk in list_chunks(layout.rollout_rank_dir("train", 1, rank)):
                 union.extend(store.read_table(chunk.path).to_pylist())
     stats = aggregate(layout, "train", 1, ranks={0: 1, 1: 1, 2: 1}, run_id=RUN_ID, group_size=3,

@@ -10,7 +10,7 @@ import torch
 from coordination.records import publish_record
 from rollout.engine import EngineError, Sampling
 from rollout.engines.transformers_engine import TransformersEngine
-from train.checkpoint import TRAINER_STATE, CheckpointError, serving_weights
+from coordination.checkpoints import TRAINER_STATE, CheckpointError, serving_weights
 from train.tiny import write_tiny_model
 
 TOLERANCE = 1e-4

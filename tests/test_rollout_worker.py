@@ -21,7 +21,7 @@ from rollout.config import RolloutConfig
 from rollout.engines.transformers_engine import TransformersEngine
 from rollout.rewards import arithmetic_reward, load_reward
 from rollout.tasks import arithmetic_tasks, write_tasks
-from rollout.worker import rollout_rank, sampling_for
+from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 from train.tiny import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,10 +62,9 @@ class CountingEngine:
 def run(engine, layout, tasks, *, generation=1, rank=0, split="train", fence=None, on_progress=None, **cfg_kw):
     cfg = RolloutConfig(**{"group_size": 3, "max_new_tokens": 6, "chunk_groups": 2, "prompts_per_call": 2, **cfg_kw})
     sampling, group_size = sampling_for(cfg, split)
-    return rollout_rank(engine=engine, tokenizer=engine.inner.tokenizer if isinstance(engine, CountingEngine)
-                        else engine.tokenizer, tasks=tasks, layout=layout, split=split, iteration=1, rank=rank,
-                        generation=generation, run_id=RUN_ID, policy_iteration=0, cfg=cfg,
-                        reward_fn=load_reward("arithmetic"), group_size=group_size, sampling=sampling,
+    tokenizer = engine.inner.tokenizer if isinstance(engine, CountingEngine) else engine.tokenizer
+    return rollout_rank(RolloutTarget(layout, split, 1, rank, run_id=RUN_ID, generation=generation, policy_iteration=0),
+                        Sampler(engine, tokenizer, cfg, load_reward("arithmetic"), sampling, group_size), tasks,
                         on_progress=on_progress, fence=fence)
 
 

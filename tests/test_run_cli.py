@@ -68,7 +68,7 @@ def test_unknown_config_key_is_refused_with_the_closest_keys(tmp_path):
 
 
 def test_help_is_instant_and_imports_nothing_heavy():
-    code = ("import sys; from click.testing import CliRunner; from coordination.run_cli import main; "
+    code = ("import sys; from click.testing import CliRunner; from rl.run_cli import main; "
             "r = CliRunner().invoke(main, ['--help']); assert r.exit_code == 0, r.output; "
             "print('torch' in sys.modules or 'transformers' in sys.modules)")
     res = subprocess.run(["python3" if False else str(ROOT / ".venv/bin/python"), "-c", code], cwd=ROOT, env=env(),

@@ -98,7 +98,7 @@ def test_recover_removes_only_staging_folders_named_by_baton(tmp_path):
 # -- defect 2: retention and every writer ---------------------------------------------------------
 
 def _checkpoint(lay: RunLayout, iteration: int, run_id: str = RUN) -> Path:
-    from train.checkpoint import mark_complete
+    from coordination.checkpoints import mark_complete
 
     folder = ensure_dir(lay.checkpoint_staging(iteration, 1))
     (folder / "model.safetensors").write_bytes(b"w" * (10 + iteration))
@@ -107,7 +107,7 @@ def _checkpoint(lay: RunLayout, iteration: int, run_id: str = RUN) -> Path:
 
 
 def test_retention_never_deletes_the_entries_of_a_linked_staging_folder(tmp_path, victim):
-    from train.checkpoint import apply_retention, publish_checkpoint
+    from coordination.checkpoints import apply_retention, publish_checkpoint
 
     lay = _run(tmp_path / "run")
     for it in (1, 2, 3):
@@ -250,7 +250,7 @@ def test_barrier_polling_checks_each_folder_once(tmp_path, monkeypatch):
 def test_another_runs_checkpoint_is_refused_naming_both_run_ids(tmp_path, how):
     import shutil
 
-    from train.checkpoint import CheckpointError, is_complete, publish_checkpoint, read_latest
+    from coordination.checkpoints import CheckpointError, is_complete, publish_checkpoint, read_latest
 
     other = RunLayout(tmp_path / "other-run")
     publish_checkpoint(other, 2, _checkpoint(other, 2, run_id="run-a"), run_id="run-a")
@@ -392,7 +392,7 @@ def test_a_checkpoint_of_another_run_in_checkpoints_is_never_adopted(procs, tmp_
     import shutil
 
     from tests.e2e import fresh_log
-    from train.checkpoint import list_files, mark_complete
+    from coordination.checkpoints import list_files, mark_complete
 
     lay = _stopped_after_iteration_1(procs, assets, fresh_log(tmp_path))
     ours = read_record(lay.run_json).run_id

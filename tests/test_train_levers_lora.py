@@ -11,7 +11,7 @@ import torch
 from tests import train_support as ts
 from coordination.layout import RunLayout
 from coordination.records import read_record
-from train.checkpoint import is_complete
+from coordination.checkpoints import is_complete
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 SCALE = LORA["alpha"] / LORA["rank"]

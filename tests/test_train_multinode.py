@@ -14,7 +14,7 @@ import torch
 from tests import train_support as ts
 from coordination.layout import RunLayout
 from coordination.records import read_record
-from train.checkpoint import is_complete, read_latest
+from coordination.checkpoints import is_complete, read_latest
 from train.results import read_results
 
 

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from coordination.records import publish_record
-from train.checkpoint import CheckpointError
+from coordination.checkpoints import CheckpointError
 from train.config import TrainConfig
 from train.optim_state import _read_rows, _saved_shards, load_optimizer_state, save_optimizer_shard, shard_paths
 

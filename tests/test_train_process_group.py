@@ -8,7 +8,7 @@ import sys
 import pytest
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from coordination.runconfig import load_run_config
+from rl.runconfig import load_run_config
 from tests.procs import ROOT, env
 from train.distributed import offloads_to_cpu, process_group_backend
 

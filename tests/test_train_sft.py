@@ -8,7 +8,7 @@ import pytest
 
 from tests import train_support as ts
 from coordination.records import read_record
-from train.checkpoint import is_complete
+from coordination.checkpoints import is_complete
 
 
 @pytest.fixture(scope="module")

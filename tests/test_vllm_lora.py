@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from rollout.engine import Sampling
-from rollout.engines import vllm_server
+from rollout.engines import make_engine, vllm_server
 from rollout.engines.transformers_engine import TransformersEngine
-from rollout.inference import InferenceConfig, VLLMConfig, make_engine
+from rollout.inference import InferenceConfig, VLLMConfig
 from tests.test_train_levers_vllm import PROMPTS, TOLERANCE, _peft_logprobs, adapters, base, vllm_python  # noqa: F401
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from rollout.engine import Sampling
-from rollout.inference import InferenceConfig, VLLMConfig, make_engine
+from rollout.engines import make_engine
+from rollout.inference import InferenceConfig, VLLMConfig
 
 pytestmark = pytest.mark.vllm
 

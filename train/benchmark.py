@@ -7,7 +7,7 @@
 
 On a cluster, `scripts/run.sh ... --bench [--bench-* ...]` on every node (instead of --rl-phase)
 runs `train.trainer --bench` as one multi-node torchrun with the run's `train` section and
-rendezvous, and writes the JSON to `<log-path>/jobs/bench/bench.json` (coordination/driver.py).
+rendezvous, and writes the JSON to `<log-path>/jobs/bench/bench.json` (rl/driver.py).
 
 The model is built exactly as for training (train/build.py, so every lever applies) and trained
 on random token sequences of `--bench-seq-len` tokens, `--bench-batch-size` sequences per

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, remove_tree
-from train.checkpoint import TRAINER_STATE, mark_complete
+from coordination.checkpoints import TRAINER_STATE, mark_complete
 from train.config import LoRAConfig
 from train.distributed import DistInfo, agreed
 from train.lora import publish_lora

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.checkpoint import ADAPTER_DIR, CheckpointError
+from coordination.checkpoints import ADAPTER_DIR, CheckpointError
 from train.config import LoRAConfig
 
 _log = logging.getLogger("baton.train.lora")

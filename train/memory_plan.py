@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from coordination.config import ConfigError
+from rollout.inference import resolve_dtype
 
 GIB = 2**30
 TRAINER_OVERHEAD_GIB = 3.0
@@ -259,8 +260,6 @@ class EngineMemory:
 
 
 def engine_memory(shape: ModelShape, inference: Any, gpu_bytes: float) -> EngineMemory:
-    from rollout.inference import resolve_dtype
-
     v = inference.vllm
     d = DTYPE_BYTES[resolve_dtype(inference, on_gpu=True)]
     weights = shape.params * d / v.tensor_parallel_size

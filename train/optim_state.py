@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from coordination.records import atomic_output, publish_record, read_record, NotThereYet
-from train.checkpoint import CheckpointError, OPTIMIZER_DIR
+from coordination.checkpoints import CheckpointError, OPTIMIZER_DIR
 
 NamedParams = Iterable[tuple[str, torch.nn.Parameter]]
 

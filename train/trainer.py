@@ -149,7 +149,7 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
 def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
     """The per-iteration trainer (train.resident=false): build, train once, publish."""
     from coordination.config import from_dict
-    from train.checkpoint import publish_checkpoint
+    from coordination.checkpoints import publish_checkpoint
     from train.config import TrainConfig
     from train.distributed import agreed
 
@@ -169,7 +169,7 @@ def run(plan_path: Path, attempt: int) -> int:
     from coordination import log
     from coordination.layout import RunLayout
     from coordination.records import read_record
-    from train.checkpoint import is_complete, publish_checkpoint
+    from coordination.checkpoints import is_complete, publish_checkpoint
     from train.data import read_plan
     from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
     from train.results import write_result
@@ -298,7 +298,7 @@ def _explained(exc: Exception) -> bool:
     """Failures whose message says everything (no traceback in the log)."""
     from coordination.config import ConfigError
     from train.batches import ShardError
-    from train.checkpoint import CheckpointError
+    from coordination.checkpoints import CheckpointError
     from train.distributed import PeerFailed
     from train.step import TrainingDiverged
 

@@ -113,7 +113,7 @@ def load_run_config(yaml_files: list[Path], overrides: list[str]) -> RunConfig:
 
 def default_yaml() -> str:
     """configs/default.yaml as it must read: every key with its default and its help text.
-    `python -m coordination.runconfig > configs/default.yaml` regenerates it after a field changes;
+    `python -m rl.runconfig > configs/default.yaml` regenerates it after a field changes;
     a test fails when the file and the dataclasses disagree."""
     import dataclasses
     import typing
@@ -133,7 +133,7 @@ def default_yaml() -> str:
         return lines
 
     header = ["# baton: every config key, with its default and what it means.",
-              "# Generated from the config dataclasses: python -m coordination.runconfig > configs/default.yaml",
+              "# Generated from the config dataclasses: python -m rl.runconfig > configs/default.yaml",
               "# Override in a YAML file (scripts/run.sh --config FILE) or on the command line (train.lr=1e-4)."]
     return "\n".join(header + emit(RunConfig, 0)).replace("\n\n\n", "\n\n") + "\n"
 

@@ -13,10 +13,15 @@ from pathlib import Path
 
 import click
 
-from coordination.config import differences, dump_yaml, to_dict
+from coordination.config import ConfigError, differences, dump_yaml, to_dict
 from coordination.layout import RunLayout
-from coordination.phases import BY_NUMBER, JOB_PHASES, phase_name
+from coordination.manifest import NODE_LOCAL_KEYS, master_address, read_config_yaml
+from coordination.phases import BY_NUMBER, phase_name
 from coordination.records import RecordError, try_read
+from rl.plan import RUNS_WHEN, make_plan
+from rollout.engines.vllm_server import build_server
+from rollout.inference import resolve_dtype
+from train.memory_plan import engine_on_gpu, format_plan, make_plan as make_memory_plan
 
 
 def _read(path: Path, kind: str, run_id: str | None = None):
@@ -28,8 +33,6 @@ def _read(path: Path, kind: str, run_id: str | None = None):
 
 def standing(layout: RunLayout, args, cfg) -> tuple[int, list[str], bool]:
     """(next iteration, lines saying where the recorded run stands, whether the job is finished)."""
-    from coordination.manifest import NODE_LOCAL_KEYS, read_config_yaml
-
     run = _read(layout.run_json, "run")
     if run is None:
         who = "creates it" if args.is_master else "waits for the master to create it"
@@ -62,9 +65,6 @@ def standing(layout: RunLayout, args, cfg) -> tuple[int, list[str], bool]:
 
 
 def dry_run(args, cfg) -> int:
-    from coordination.driver import RunPlan
-    from coordination.manifest import master_address
-
     echo = click.echo
     layout = RunLayout(args.log_path)
     it, where, finished = standing(layout, args, cfg)
@@ -78,24 +78,24 @@ def dry_run(args, cfg) -> int:
     echo("\n## resolved config\n")
     echo(dump_yaml(cfg))
 
-    job = RunPlan(args, cfg)
+    plan = make_plan(args, cfg)
+    kind = plan.kind
     echo("## phase plan of this rank (iteration %d)\n" % it)
-    for n in JOB_PHASES[args.job]:
+    for n in kind.phases:
         spec = BY_NUMBER[n]
         acts = spec.who == "all" or args.is_master
         note = []
-        if n in (5, 6) and not job.is_eval(it):
-            note.append("skipped: not an eval iteration")
+        if not plan.runs(n, it):
+            note.append(f"skipped in iteration {it}: RunPlan.{RUNS_WHEN[n]} is false")
         echo(f"  {n:2d} {spec.name:24s} {'acts' if acts else 'waits':5s} {'barrier' if spec.barrier else '':7s} "
              f"{spec.summary}{' (' + '; '.join(note) + ')' if note else ''}")
 
-    splits = [s for s, on in (("train", args.job in ("both", "rollout")),
-                              ("eval", args.job in ("both", "eval") and job.is_eval(it))) if on]
+    splits = [s for s, on in (("train", plan.rolls_out_in(it)), ("eval", plan.evaluates_in(it))) if on]
     if splits:
         echo("\n## task split for iteration %d (rank weights %s)\n" % (it, args.rank_weights))
     for split in splits:
         try:
-            shares = job.shares(split, it)
+            shares = plan.shares(split, it)
         except Exception as exc:  # noqa: BLE001 - a dry run reports what would fail
             echo(f"  {split}: cannot split: {exc}")
             continue
@@ -107,11 +107,8 @@ def dry_run(args, cfg) -> int:
     echo("\n## commands this node would run\n")
     inf = cfg.inference
     policy = Path(cfg.model.path) if it == 1 else layout.checkpoint(it - 1)
-    if args.job in ("both", "rollout", "eval"):
+    if kind.serves:
         if inf.engine == "vllm":
-            from rollout.engines.vllm_server import build_server
-            from rollout.inference import resolve_dtype
-
             if args.debug_mode:
                 echo(f"  inference: the server you run at {inf.vllm.debug_url} (--debug-mode: never started here)")
             else:
@@ -125,17 +122,17 @@ def dry_run(args, cfg) -> int:
         else:
             echo(f"  inference: transformers engine in this process (device {inf.device}, dtype {inf.dtype}) "
                  f"on {policy}")
-    if args.job in ("both", "update", "bench"):
+    if kind.trains:
         addr = master_address(cfg.coordination.master_addr)
-        cmd = job.torchrun_argv(layout, it, 1, args.rank, endpoint=f"{addr}:29500", rdzv_id=f"RUN-{args.job}-i{it}-a1",
+        cmd = plan.torchrun_argv(layout, it, 1, args.rank, endpoint=f"{addr}:29500", rdzv_id=f"RUN-{args.job}-i{it}-a1",
                                 is_host=args.is_master, local_addr=addr if args.is_master else "THIS_NODE_ADDR")
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
         echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
-        if job.resident_trainer:
+        if plan.resident_trainer:
             echo("    (train.resident: launched once and kept across iterations; each iteration's plan reaches it "
                  "as an order record, docs/design.md §9.6)")
-        if args.job == "bench":
+        if args.bench is not None:
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
     memory_plan(args, cfg)
     return 0
@@ -143,14 +140,11 @@ def dry_run(args, cfg) -> int:
 
 def memory_plan(args, cfg) -> None:
     """The GPU memory plan (docs/design.md §10.5), when there is a GPU to plan for."""
-    from coordination.config import ConfigError
-    from train.memory_plan import engine_on_gpu, format_plan, make_plan
-
     if not (engine_on_gpu(cfg, args.debug_mode) or cfg.train.gpu_memory_gib):
         return
     click.echo("\n## memory plan per GPU\n")
     try:
-        plan = make_plan(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
+        plan = make_memory_plan(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
     except ConfigError as exc:
         click.echo(f"  no plan: {exc}")
         return

@@ -1,4 +1,5 @@
-"""The RL phase table (docs/design.md §6): the one module that knows coordination, rollout and train.
+"""The RL phase table (docs/design.md §6): it binds the actions of rollout/ and train/ to the
+protocol's phases (docs/design.md §3: rl/ is the top layer).
 
 `run_node(args)` joins the job, builds the table for its `--rl-phase` and hands it to the
 generic `PhaseRunner`. Every action is idempotent: a phase redone after a crash finds its
@@ -6,28 +7,39 @@ outputs (chunks, all.parquet, plan, checkpoint) and finishes without repeating w
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import signal
 import socket
-import sys
 from pathlib import Path
-from typing import Any
 
-from coordination import exits, log as blog
+from coordination import exits, log as blog, metrics, sinks
 from coordination.barrier import Arrival
-from coordination.children import run_watched
-from coordination.config import ConfigError, dump_yaml, to_dict
+from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest
+from coordination.children import ChildFailed, run_watched
+from coordination.config import to_dict
+from coordination.join import join_job
 from coordination.layout import RunLayout
 from coordination.net import free_port
 from coordination.node import Node
-from coordination.phases import BY_NUMBER, JOB_PHASES
+from coordination.phases import BY_NUMBER, PhaseId
 from coordination.progress import Progress
 from coordination.records import ensure_dir, open_own, publish_bytes, publish_record
-from coordination.run_cli import RunArgs
-from coordination.runconfig import RunConfig
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
+from rl.dryrun import dry_run
+from rl.payloads import EvalChoice, EvalResult, IterationSummary, RolloutDone, SyncGo, TrainAggregated
+from rl.pipeline import wait_for_checkpoint
+from rl.plan import RUNS_WHEN, RunPlan, make_plan
+from rl.run_cli import RunArgs
+from rl.runconfig import RunConfig
+from rl.serving import EngineLifecycle
+from rollout.rewards import load_reward
+from train.benchmark import render_table
+from train.launch import torchrun_env
+from train.resident import ResidentTrainer
+from train.results import read_results
 
 log = logging.getLogger("baton.driver")
 
@@ -79,140 +91,28 @@ class StepProgress:
             self.bar.close()
 
 
-class RunPlan:
-    """What the config and flags decide, the same on every node: which iterations evaluate, which
-    tasks an iteration has and how they split over the ranks. Needs no node (dry runs use it)."""
-
-    def __init__(self, args: RunArgs, cfg: RunConfig):
-        self.args, self.cfg = args, cfg
-        self._pools: dict[str, list] = {}
-
-    @property
-    def final_eval_on(self) -> bool:
-        return self.cfg.run.eval_interval > 0 and self.cfg.run.final_eval and self.args.job in ("both", "eval")
-
-    @property
-    def last_iteration(self) -> int:
-        """max_iterations, plus one evaluation-only iteration that measures the final checkpoint
-        when evaluation is on; a benchmark (--bench) is one iteration."""
-        if self.args.job == "bench":
-            return 1
-        return self.cfg.run.max_iterations + (1 if self.final_eval_on else 0)
-
-    @property
-    def resident_trainer(self) -> bool:
-        """Whether phase 10 gives its work to a trainer that lives across iterations (train.resident)."""
-        return self.cfg.train.resident and self.args.bench is None
-
-    def trainer_args(self, layout: RunLayout, iteration: int, attempt: int, rank: int,
-                     launch: str | None = None) -> list[str]:
-        """What `torchrun ... -m train.trainer` gets at phase 10: the iteration's plan; for a resident
-        trainer the run folder, job and node whose orders it serves; with --bench the benchmark
-        options, this run's `train` section (as a YAML file) and model."""
-        if self.args.bench is None and self.resident_trainer:
-            return ["--resident", launch or "LAUNCH", "--log-path", str(layout.root), "--job", self.args.job,
-                    "--for-node", str(rank)]
-        if self.args.bench is None:
-            return ["--plan", str(layout.training_plan(iteration)), "--attempt", str(attempt)]
-        job = layout.job("bench")
-        out = ["--bench", "--config", str(job.bench_config(rank))]
-        if self.cfg.model.path:
-            out += ["--model", self.cfg.model.path]  # else the trainer writes the tiny model (the same on every node)
-        opts = {**self.args.bench, "bench_output_json": self.args.bench["bench_output_json"] or job.bench_json}
-        for key, value in opts.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                out.append(flag)
-            elif value not in (None, False):
-                out += [flag, str(value)]
-        return out
-
-    def torchrun_argv(self, layout: RunLayout, iteration: int, attempt: int, rank: int, *, endpoint: str,
-                      rdzv_id: str, is_host: bool, local_addr: str) -> list[str]:
-        """The phase-10 command of one node (the driver runs it, --dry-run shows it)."""
-        from train.launch import torchrun_command
-
-        return torchrun_command(
-            python=sys.executable, nnodes=self.args.num_nodes, node_rank=rank,
-            nproc_per_node=self.cfg.train.nproc_per_node, rdzv_endpoint=endpoint, rdzv_id=rdzv_id,
-            is_host=is_host, local_addr=local_addr, module="train.trainer",
-            args=self.trainer_args(layout, iteration, attempt, rank, launch=rdzv_id),
-            join_timeout=int(self.cfg.train.collective_timeout))
-
-    def is_final_eval(self, it: int) -> bool:
-        return self.final_eval_on and it == self.cfg.run.max_iterations + 1
-
-    def is_eval(self, it: int) -> bool:
-        k = self.cfg.run.eval_interval
-        return k > 0 and ((it - 1) % k == 0 or self.is_final_eval(it))
-
-    def pool(self, split: str) -> list:
-        if split not in self._pools:
-            from rollout.tasks import load_tasks
-
-            name = self.cfg.tasks.train_file if split == "train" else self.cfg.tasks.eval_file
-            path = Path(self.cfg.run.data_path) / name
-            if not path.exists():
-                raise ConfigError(f"{split} task file {path} does not exist: --data-path must hold {name} "
-                                  f"(or set tasks.{split}_file); make one with `python -m rollout.tasks make`")
-            self._pools[split] = load_tasks(path)
-        return self._pools[split]
-
-    def check_inputs(self) -> None:
-        """Before this node writes anything to the run folder (docs/design.md §5 rule 10): every
-        task file this job reads parses (all lines, UTF-8), and the reward loads and returns a
-        finite number on a sample task. ConfigError (exit 2) names the file and line or the reward."""
-        from rollout.rewards import RewardError, check_reward
-        from rollout.tasks import TaskFileError
-
-        job = self.args.job
-        splits = (["train"] if job in ("both", "rollout") else []) + \
-            (["eval"] if job == "eval" or (job == "both" and self.cfg.run.eval_interval > 0) else [])
-        try:
-            pools = [self.pool(split) for split in splits]
-            if pools:
-                check_reward(self.cfg.tasks.reward, pools[0][0])
-        except (TaskFileError, RewardError) as exc:
-            raise ConfigError(str(exc)) from None
-        if job in ("both", "rollout", "eval") and self.cfg.inference.engine == "vllm":
-            self.cfg.inference.vllm.resolved_api_key()  # an unset env: or unreadable file: is found now
-
-    def tasks_of(self, split: str, iteration: int) -> list:
-        from rollout.split import sample_iteration, select_eval
-
-        if split == "train":
-            return sample_iteration(self.pool("train"), self.cfg.tasks.tasks_per_iteration,
-                                    seed=self.cfg.rollout.seed, iteration=iteration)
-        return select_eval(self.pool("eval"), self.cfg.tasks.eval_tasks, seed=self.cfg.rollout.seed)
-
-    def shares(self, split: str, iteration: int) -> list[list]:
-        from rollout.split import split_plan
-
-        return split_plan(self.tasks_of(split, iteration), self.args.rank_weights)
-
-
 class RLJob:
-    """One node's view of an RL job: its engine and the actions of its phases."""
+    """One node's view of an RL job: the actions of its phases and the table that binds them.
+    What the job does (train, evaluate, serve, wait) is data: `self.kind` (rl/jobs.py)."""
 
     def __init__(self, args: RunArgs, cfg: RunConfig, node: Node, plan: RunPlan | None = None):
         self.args, self.cfg, self.node = args, cfg, node
-        self.plan = plan or RunPlan(args, cfg)
+        self.plan = plan or make_plan(args, cfg)
+        self.kind = self.plan.kind
         self.layout: RunLayout = node.layout
-        self.engine = None
-        self.engine_starts = 0
         self.trainer = None  # train.resident.ResidentTrainer once phase 10 launched one
-        self.served: int | None = None  # policy iteration the engine serves
         self._tokenizer = None
         self._reward = None
         self.log_dir = node.job.logs_dir(node.rank)
+        self.engines = EngineLifecycle(cfg.inference, rank=node.rank, temperature=cfg.rollout.temperature,
+                                       log_file=self.log_dir / "inference.log", debug_mode=args.debug_mode,
+                                       say=node.say)
         self.is_eval, self.is_final_eval = self.plan.is_eval, self.plan.is_final_eval
         self.shares = self.plan.shares
 
     # -- policies and the engine ---------------------------------------------------------------
     def policy(self, iteration: int) -> tuple[int, Path]:
         """Checkpoint `iteration` (the base model for 0); it must be complete."""
-        from train.checkpoint import is_complete
-
         if iteration == 0:
             return 0, Path(self.cfg.model.path)
         folder = self.layout.checkpoint(iteration)
@@ -222,40 +122,33 @@ class RLJob:
         return iteration, folder
 
     def rollout_policy(self, step: Step) -> tuple[int, Path]:
-        """both: checkpoint N-1. Pipelined jobs: what the master chose at phase 0 (all ranks agree)."""
-        if self.args.job == "both":
+        """A job that trains its own policy: checkpoint N-1. A job that waits for checkpoints: what
+        the master chose at phase 0 (all ranks agree)."""
+        if self.kind.waits_for != "checkpoint":
             return self.policy(step.iteration - 1)
-        return self.policy(int(step.go_payload(0)["policy_iteration"]))
+        return self.policy(int(SyncGo.of(step).policy_iteration))
+
+    @property
+    def engine(self):
+        return self.engines.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.engines.engine = engine
+
+    @property
+    def served(self) -> int | None:
+        return self.engines.served
+
+    @served.setter
+    def served(self, iteration: int | None) -> None:
+        self.engines.served = iteration
 
     def ensure_engine(self, policy_iteration: int, path: Path) -> None:
-        from rollout.inference import make_engine
-        from train.checkpoint import serving_weights
-
-        if self.engine is None:
-            self.engine = make_engine(self.cfg.inference, rank=self.node.rank, restart_count=self.engine_starts,
-                                      temperature=self.cfg.rollout.temperature,
-                                      log_file=self.log_dir / "inference.log", debug_mode=self.args.debug_mode)
-        if self.engine.running and self.served == policy_iteration:
-            return
-        weights, adapter = serving_weights(path)  # an adapters-only checkpoint: its base + adapter/
-        self.node.say(f"starting the inference engine on policy {policy_iteration}", beat=True)
-        if not self.engine.running:
-            self.engine.start(weights)
-            self.engine_starts += 1
-        elif self.cfg.inference.between_iterations == "restart":
-            self.engine.stop()
-            self.engine.start(weights)
-            self.engine_starts += 1
-        elif Path(self.engine.model_dir).resolve() != Path(weights).resolve():
-            self.engine.reload(weights)  # with adapters the base stays: set_adapter swaps them in place
-        self.engine.set_adapter(adapter)
-        self.served = policy_iteration
-        log.info("engine %s serves policy %d (%s%s)", self.engine.name, policy_iteration, weights,
-                 f" + LoRA adapter {adapter}" if adapter else "")
+        self.engines.ensure(policy_iteration, path)
 
     def close_engine(self) -> None:
-        if self.engine is not None:
-            self.engine.stop()
+        self.engines.close()
 
     def close_trainer(self) -> None:
         if self.trainer is not None:
@@ -271,30 +164,29 @@ class RLJob:
 
     def reward(self):
         if self._reward is None:
-            from rollout.rewards import load_reward
-
             self._reward = load_reward(self.cfg.tasks.reward)
         return self._reward
 
     # -- actions -------------------------------------------------------------------------------
     def roll_out(self, step: Step, split: str) -> dict:
-        from rollout.worker import rollout_rank, sampling_for
+        # rollout.worker, rollout.aggregate and train.data load pyarrow: imported when a phase
+        # needs them, so dry runs and refused commands answer fast.
+        from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 
         policy_it, path = self.rollout_policy(step)
         self.ensure_engine(policy_it, path)
         mine = self.shares(split, step.iteration)[self.node.rank]
         sampling, group = sampling_for(self.cfg.rollout, split)
-        s = rollout_rank(engine=self.engine, tokenizer=self.tokenizer(), tasks=mine, layout=self.layout, split=split,
-                         iteration=step.iteration, rank=self.node.rank, generation=self.node.generation,
-                         run_id=self.node.run_id, policy_iteration=policy_it, cfg=self.cfg.rollout,
-                         reward_fn=self.reward(), group_size=group, sampling=sampling,
-                         on_progress=lambda done, total, msg: self.node.say(msg),
+        target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
+                               generation=self.node.generation, policy_iteration=policy_it)
+        sampler = Sampler(self.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
+        s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
-        return {"tasks": s.tasks, "samples": s.samples, "tokens": s.completion_tokens, "seconds": round(s.seconds, 3),
-                "policy_iteration": policy_it}
+        return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),
+                           policy_iteration=policy_it).to_dict()
 
     def aggregate(self, step: Step, split: str, barrier_phase: int, arrivals: dict[int, Arrival] | None = None) -> dict:
-        from rollout.aggregate import aggregate
+        from rollout.aggregate import aggregate  # pyarrow: see roll_out
         from rollout.worker import sampling_for
 
         gens = ({r: a.generation for r, a in arrivals.items()} if arrivals is not None
@@ -306,48 +198,44 @@ class RLJob:
                          generation=self.node.generation)
 
     def phase0(self, step: Step) -> dict:
-        if self.args.job in ("rollout", "eval") and self.node.is_master:
-            from coordination.pipeline import wait_for_checkpoint
-
-            need = step.iteration - 1 if self.args.job == "eval" else \
+        if self.kind.waits_for == "checkpoint" and self.node.is_master:
+            need = step.iteration - 1 if self.kind.policy == "previous" else \
                 max(0, step.iteration - 1 - self.cfg.run.max_staleness)
             wait_for_checkpoint(self, need)
         return {}
 
     def decide0(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
-        if v.decision != "continue" or self.args.job in ("both", "bench"):
+        if v.decision != "continue" or self.kind.waits_for != "checkpoint":
             return v
-        from train.checkpoint import read_latest
-
         latest = read_latest(self.layout, run_id=self.node.run_id)
         chosen = latest[0] if latest else 0
-        if self.args.job == "eval":
+        if self.kind.policy == "previous":
             chosen = step.iteration - 1  # evaluate exactly the checkpoint of the previous iteration
-        return Verdict("continue", payload={"policy_iteration": chosen})
+        return Verdict("continue", payload=SyncGo(policy_iteration=chosen).to_dict())
 
     def decide_eval_choice(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
-        return Verdict(v.decision, v.reason, {"eval": self.is_eval(step.iteration)})
+        return Verdict(v.decision, v.reason, EvalChoice(eval=self.is_eval(step.iteration)).to_dict())
 
     def decide_eval(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
         if v.decision != "continue":
             return v
         try:
-            stats = self.aggregate(step, "eval", 6, arrivals)
+            stats = self.aggregate(step, "eval", PhaseId.AGGREGATE_EVAL, arrivals)
         except Exception as exc:  # noqa: BLE001 - a failed aggregation is the master's phase failing
             log.exception("eval aggregation failed")
             return Verdict("abort", f"iteration {step.iteration} failed at phase 6 aggregate-eval: {exc}")
         acc = (stats.get("eval") or {}).get("accuracy")
         log.info("iteration %d eval accuracy %s over %s tasks", step.iteration,
                  f"{acc:.4f}" if acc is not None else "-", stats.get("tasks"))
-        return Verdict("continue", payload={"eval_accuracy": acc})
+        return Verdict("continue", payload=EvalResult(eval_accuracy=acc).to_dict())
 
     def stop_inference(self, step: Step) -> dict:
         if self.args.job == "update":
             if self.node.is_master:
-                from coordination.pipeline import wait_for_rollouts
+                from rl.pipeline import wait_for_rollouts
 
                 wait_for_rollouts(self, step.iteration)
             return {}
@@ -359,12 +247,10 @@ class RLJob:
         return {}
 
     def checkpoint_done(self, iteration: int) -> bool:
-        from train.checkpoint import is_complete
-
         return is_complete(self.layout.checkpoint(iteration), run_id=self.node.run_id)
 
     def prepare(self, step: Step) -> dict:
-        from train.data import prepare_training_data
+        from train.data import prepare_training_data  # pyarrow: see roll_out
 
         if self.checkpoint_done(step.iteration):
             return {"skipped": "checkpoint already published"}
@@ -415,10 +301,17 @@ class RLJob:
                 return f"attempt {step.attempt} already failed on rank {r}: {a.error}"
         return None
 
-    def train(self, step: Step) -> dict:
-        from coordination.children import ChildFailed
-        from train.launch import torchrun_env
+    def torchrun(self, step: Step, rdzv: dict) -> tuple[list[str], dict[str, str]]:
+        """This node's phase-10 torchrun command and environment for the rendezvous `rdzv`."""
+        is_host = self.node.is_master
+        cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
+                                      endpoint=f"{rdzv['addr']}:{rdzv['port']}", rdzv_id=rdzv["rdzv_id"],
+                                      is_host=is_host, local_addr=rdzv["addr"] if is_host else own_address(rdzv["addr"]))
+        env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                           socket_ifname=self.cfg.coordination.socket_ifname or None)
+        return cmd, env
 
+    def train(self, step: Step) -> dict:
         if self.args.bench is None and self.checkpoint_done(step.iteration):
             return {"skipped": "checkpoint already published"}
         failed = self._attempt_failed_elsewhere(step)
@@ -427,19 +320,13 @@ class RLJob:
         rdzv = step.retry.payload if step.retry is not None else step.go_payload(9)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
-        is_host = self.node.is_master
-        local = rdzv["addr"] if is_host else own_address(rdzv["addr"])
         if self.args.bench is not None:
             import yaml
 
             target = self.node.job.bench_config(self.node.rank)
             ensure_dir(target.parent)
             publish_bytes(target, yaml.safe_dump({"train": to_dict(self.cfg.train)}, sort_keys=False).encode())
-        cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
-                                      endpoint=f"{rdzv['addr']}:{rdzv['port']}", rdzv_id=rdzv["rdzv_id"],
-                                      is_host=is_host, local_addr=local)
-        env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
-                           socket_ifname=self.cfg.coordination.socket_ifname or None)
+        cmd, env = self.torchrun(step, rdzv)
 
         log_file = self.log_dir / "trainer.log"
         progress = StepProgress(log_file, f"train iter {step.iteration}", self.node)
@@ -462,11 +349,6 @@ class RLJob:
         """Phase 10 with a resident trainer: launch it if this iteration's GO asks for a fresh
         rendezvous (or this node's trainer is not the one the GO names), give it the iteration's
         plan, and wait for every trainer rank's result record."""
-        from coordination.children import ChildFailed
-        from train.launch import torchrun_env
-        from train.resident import ResidentTrainer
-        from train.results import read_results
-
         if self.trainer is None:
             self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
         if "reuse" in rdzv:
@@ -474,13 +356,7 @@ class RLJob:
                 raise ChildFailed(f"the resident trainer {rdzv['reuse']} of this node is no longer running "
                                   f"(see {self.trainer.log_file}); the next attempt launches a fresh one")
         else:
-            is_host = self.node.is_master
-            cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
-                                          endpoint=f"{rdzv['addr']}:{rdzv['port']}", rdzv_id=rdzv["rdzv_id"],
-                                          is_host=is_host,
-                                          local_addr=rdzv["addr"] if is_host else own_address(rdzv["addr"]))
-            env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
-                               socket_ifname=self.cfg.coordination.socket_ifname or None)
+            cmd, env = self.torchrun(step, rdzv)
             self.node.say(f"launching the resident trainer ({rdzv['rdzv_id']})", beat=True)
             self.trainer.launch(cmd, env, rdzv["rdzv_id"])
         world = self.args.num_nodes * self.cfg.train.nproc_per_node
@@ -525,27 +401,8 @@ class RLJob:
                            self.rendezvous(step.iteration, step.attempt + 1))
         return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
 
-    def show_bench(self) -> None:
-        """Print the benchmark's table on the master's console: every torchrun has exited (this is
-        the barrier's decision), so the trainer's rank 0, on whichever node, has written the JSON."""
-        import json
-
-        from rich.console import Console
-
-        from train.benchmark import render_table
-
-        path = Path(self.args.bench["bench_output_json"] or self.node.job.bench_json)
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise RuntimeError(f"the benchmark finished but its results {path} cannot be read: {exc}") from None
-        Console(width=160).print(render_table(report))
-        log.info("benchmark results: %s", path)
-
     def publish(self, step: Step) -> dict:
-        from train.checkpoint import apply_retention, publish_checkpoint
-
-        attempt = int(step.go_payload(10).get("attempt", 1))
+        attempt = int(step.go_payload(PhaseId.TRAIN).get("attempt", 1))
         publish_checkpoint(self.layout, step.iteration, self.layout.checkpoint_staging(step.iteration, attempt),
                            run_id=self.node.run_id)
         # iteration i evaluates checkpoint i - 1: keep every checkpoint an eval iteration measures
@@ -566,7 +423,7 @@ class RLJob:
         it, path = self.policy(step.iteration)
         if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
                 and self.engine.running):
-            from train.checkpoint import serving_weights
+            from coordination.checkpoints import serving_weights
 
             weights, adapter = serving_weights(path)
             self.engine.wake(weights)
@@ -577,55 +434,85 @@ class RLJob:
         return {}
 
     def decide_done(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
-        from coordination import metrics
-
         v = default_decide(step, arrivals)
         if v.decision != "continue":
             return v
-        train_attempt = int(step.go_payload(10).get("attempt", 1)) if 10 in step.gos else None
+        train = PhaseId.TRAIN
+        train_attempt = int(step.go_payload(train).get("attempt", 1)) if train in step.gos else None
         rec = metrics.build(self.layout, self.node.job, run_id=self.node.run_id, iteration=step.iteration,
                             num_nodes=self.args.num_nodes, policy_iteration=step.iteration - 1,
-                            train_attempt=train_attempt, eval_done=bool(step.go_payload(4).get("eval"))
+                            train_attempt=train_attempt, eval_done=EvalChoice.of(step).eval
                             or self.is_final_eval(step.iteration))
         publish_record(self.layout.metrics(step.iteration), "metrics", rec, run_id=self.node.run_id,
                        generation=self.node.generation)
-        from coordination.sinks import emit
+        sinks.emit(self.cfg.logging, self.layout, rec)
+        return Verdict("continue", payload=IterationSummary(train_reward_mean=rec.get("train_reward_mean"),
+                                                            eval_accuracy=rec.get("eval_accuracy"),
+                                                            loss=rec.get("loss")).to_dict())
 
-        emit(self.cfg.logging, self.layout, rec)
-        return Verdict("continue", payload={k: rec.get(k) for k in ("train_reward_mean", "eval_accuracy", "loss")})
-
-    # -- the table ---------------------------------------------------------------------------
+    # -- the table (docs/design.md §6): which phases run is RunPlan.runs (rl/plan.py, RUNS_WHEN) --
     def phases(self) -> list[Phase]:
-        job = self.args.job
-        final = self.is_final_eval
-        train_side = job in ("both", "rollout")
+        P, spec = PhaseId, BY_NUMBER
         table = {
-            0: Phase(BY_NUMBER[0], self.phase0, self.decide0),
-            1: Phase(BY_NUMBER[1], lambda s: self.roll_out(s, "train"),
-                     enabled=lambda s: train_side and not final(s.iteration)),
-            2: Phase(BY_NUMBER[2], enabled=lambda s: train_side and not final(s.iteration)),
-            3: Phase(BY_NUMBER[3], lambda s: {"stats": _brief(self.aggregate(s, "train", 2))},
-                     enabled=lambda s: train_side and not final(s.iteration)),
-            4: Phase(BY_NUMBER[4], decide=self.decide_eval_choice,
-                     enabled=lambda s: train_side and not final(s.iteration)),
-            5: Phase(BY_NUMBER[5], lambda s: self.roll_out(s, "eval"),
-                     enabled=lambda s: job in ("both", "eval") and self.is_eval(s.iteration)),
-            6: Phase(BY_NUMBER[6], decide=self.decide_eval,
-                     enabled=lambda s: job in ("both", "eval") and self.is_eval(s.iteration)),
-            7: Phase(BY_NUMBER[7], self.stop_inference, enabled=lambda s: not final(s.iteration)),
-            8: Phase(BY_NUMBER[8], self.prepare, enabled=lambda s: not final(s.iteration)),
-            9: Phase(BY_NUMBER[9], self.ready, self.decide_ready, enabled=lambda s: not final(s.iteration)),
-            10: Phase(BY_NUMBER[10], self.train, self.decide_train, enabled=lambda s: not final(s.iteration),
-                      max_attempts=self.cfg.train.max_attempts),
-            11: Phase(BY_NUMBER[11], self.publish, enabled=lambda s: not final(s.iteration)),
-            12: Phase(BY_NUMBER[12], self.restart_inference, enabled=lambda s: not final(s.iteration)),
-            13: Phase(BY_NUMBER[13], decide=self.decide_done),
+            P.SYNC: Phase(spec[P.SYNC], self.phase0, self.decide0),
+            P.TRAIN_ROLLOUT: Phase(spec[P.TRAIN_ROLLOUT], lambda s: self.roll_out(s, "train")),
+            P.TRAIN_ROLLOUT_DONE: Phase(spec[P.TRAIN_ROLLOUT_DONE]),
+            P.AGGREGATE_TRAIN: Phase(spec[P.AGGREGATE_TRAIN], self.aggregate_train),
+            P.TRAIN_FILES_READY: Phase(spec[P.TRAIN_FILES_READY], decide=self.decide_eval_choice),
+            P.EVAL: Phase(spec[P.EVAL], lambda s: self.roll_out(s, "eval")),
+            P.AGGREGATE_EVAL: Phase(spec[P.AGGREGATE_EVAL], decide=self.decide_eval),
+            P.STOP_INFERENCE: Phase(spec[P.STOP_INFERENCE], self.stop_inference),
+            P.PREPARE_TRAINING_DATA: Phase(spec[P.PREPARE_TRAINING_DATA], self.prepare),
+            P.TRAINING_READY: Phase(spec[P.TRAINING_READY], self.ready, self.decide_ready),
+            P.TRAIN: Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts),
+            P.PUBLISH_CHECKPOINT: Phase(spec[P.PUBLISH_CHECKPOINT], self.publish),
+            P.RESTART_INFERENCE: Phase(spec[P.RESTART_INFERENCE], self.restart_inference),
+            P.ITERATION_DONE: Phase(spec[P.ITERATION_DONE], decide=self.decide_done),
         }
-        return [table[n] for n in JOB_PHASES[job]]
+        return [self._when(table[n]) for n in self.kind.phases]
+
+    def _when(self, phase: Phase) -> Phase:
+        """`phase`, running in the iterations its RUNS_WHEN condition names."""
+        number = phase.spec.number
+        if number in RUNS_WHEN:
+            phase.enabled = lambda s: self.plan.runs(number, s.iteration)
+        return phase
+
+    def aggregate_train(self, step: Step) -> dict:
+        return TrainAggregated.brief(self.aggregate(step, "train", PhaseId.TRAIN_ROLLOUT_DONE)).to_dict()
+
+    def finished_reason(self) -> str:
+        return f"run.max_iterations ({self.cfg.run.max_iterations}) reached" + (
+            ", final checkpoint evaluated" if self.plan.final_eval_on else "")
 
 
-def _brief(stats: dict) -> dict:
-    return {k: stats.get(k) for k in ("tasks", "samples", "reward_mean", "pass_at_1")}
+class BenchJob(RLJob):
+    """`run.sh --bench`: no RL, one iteration of join (phase 0), rendezvous (9) and one torchrun of
+    the trainer's benchmark (10); the plan (rl/plan.py BenchPlan) gives torchrun its options."""
+
+    def phases(self) -> list[Phase]:
+        P, spec = PhaseId, BY_NUMBER
+        return [self._when(p) for p in (
+            Phase(spec[P.SYNC], self.phase0, self.decide0), Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
+            Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts))]
+
+    def finished_reason(self) -> str:
+        return (f"benchmark done: results in {self.args.bench['bench_output_json'] or self.node.job.bench_json} "
+                f"(the master's console shows the table)")
+
+    def show_bench(self) -> None:
+        """Print the benchmark's table on the master's console: every torchrun has exited (this is
+        the barrier's decision), so the trainer's rank 0, on whichever node, has written the JSON."""
+        from rich.console import Console  # rich's console: only the bench master prints a table
+
+        path = Path(self.args.bench["bench_output_json"] or self.node.job.bench_json)
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"the benchmark finished but its results {path} cannot be read: {exc}") from None
+        Console(width=160).print(render_table(report))
+        log.info("benchmark results: %s", path)
+
 
 
 def _stop_requested(layout: RunLayout):
@@ -637,7 +524,7 @@ def _stop_requested(layout: RunLayout):
 def _say_iteration_done(iteration: int, go, seconds: float) -> None:
     """One console line per finished iteration with the numbers people watch (from the GO of the
     iteration's last barrier, so every node prints the same)."""
-    p = go.payload
+    p = IterationSummary.from_dict(go.payload).to_dict()
     shown = (("train_reward_mean", "train reward", ""),
              ("eval_accuracy", "eval accuracy", f" (checkpoint {iteration - 1})"), ("loss", "loss", ""))
     parts = [f"{label} {p[key]:.3f}{note}" for key, label, note in shown if isinstance(p.get(key), (int, float))]
@@ -648,8 +535,6 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
     """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
     logger = blog.setup(f"{args.job} rank{args.rank}")
     if args.dry_run:
-        from coordination.dryrun import dry_run
-
         return dry_run(args, cfg)
     layout = RunLayout(args.log_path)
     node = None
@@ -661,9 +546,7 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        from coordination.join import join_job
-
-        plan = RunPlan(args, cfg)
+        plan = make_plan(args, cfg)
         plan.check_inputs()  # bad input: exit 2 before the run folder is touched
         node = join_job(layout, job=args.job, rank=args.rank, num_nodes=args.num_nodes,
                         job_facts={"rank_weights": args.rank_weights, "rl_phase": args.rl_phase,
@@ -673,19 +556,13 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         blog.setup(f"{args.job} rank{args.rank} gen{node.generation}", logfile, getattr(logging, cfg.logging.level))
         logger.info("logs of this rank: %s (driver), %s (inference), %s (trainer)", logfile,
                     node.job.log_file(args.rank, "inference"), node.job.log_file(args.rank, "trainer"))
-        job = RLJob(args, cfg, node, plan)
+        job = (BenchJob if args.bench is not None else RLJob)(args, cfg, node, plan)
         if node.is_master and args.bench is None:
-            from coordination import sinks
-
             sinks.start(cfg.logging, layout)  # W&B / TensorBoard open in the background, off every phase
-        done = f"run.max_iterations ({cfg.run.max_iterations}) reached" + (
-            ", final checkpoint evaluated" if job.plan.final_eval_on else "")
-        if args.bench is not None:
-            done = (f"benchmark done: results in {args.bench['bench_output_json'] or node.job.bench_json} "
-                    f"(the master's console shows the table)")
         runner = PhaseRunner(node, job.phases(), max_iterations=job.plan.last_iteration,
                              stop_requested=_stop_requested(layout),
-                             gc_keep_iterations=cfg.coordination.gc_keep_iterations, finished_reason=done,
+                             gc_keep_iterations=cfg.coordination.gc_keep_iterations,
+                             finished_reason=job.finished_reason(),
                              on_iteration_end=_say_iteration_done)
         outcome = runner.run()
         final_message = f"finished: {outcome.stopped}"
@@ -708,7 +585,6 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
             except Exception as exc:  # noqa: BLE001 - still release the claim
                 logger.error("could not stop the inference engine: %s", exc)
         try:
-            from coordination import sinks
             sinks.close()
         except Exception as exc:  # noqa: BLE001 - metrics sinks must not hide the run's own outcome
             logger.warning("could not close the metric sinks: %s", exc)

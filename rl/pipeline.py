@@ -6,12 +6,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from coordination.checkpoints import read_latest
 from coordination.heartbeat import LivenessTracker
 from coordination.node import PeerLost
 from coordination.records import RecordError, try_read
 
 if TYPE_CHECKING:
-    from coordination.driver import RLJob
+    from rl.driver import RLJob
 
 log = logging.getLogger("baton.pipeline")
 
@@ -51,8 +52,6 @@ def wait_for_checkpoint(rl: "RLJob", need: int) -> None:
     """Rollout/eval job master: wait until LATEST is at least iteration `need`."""
     if need <= 0:
         return
-    from train.checkpoint import read_latest
-
     def probe():
         latest = read_latest(rl.layout, run_id=rl.node.run_id)
         return True if latest is not None and latest[0] >= need else None

@@ -8,6 +8,11 @@ file with its size; a folder is complete only when the marker validates and the 
 Publication renames a complete staging folder to `checkpoints/iter-N` in one step, and only then
 moves `checkpoints/LATEST` (a JSON record) forward. Readers therefore never see a half-written
 checkpoint, and LATEST never points at one.
+
+This is a run-folder publication protocol (folder + completeness marker + LATEST + retention) that
+knows nothing of GRPO, so it sits in the protocol layer where rollout/ (which serves checkpoints),
+train/ (which writes and publishes them) and rl/ (which prunes them) may all import it
+(docs/design.md §3).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ OPTIMIZER_DIR = "optimizer"
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_DIR = "adapter"  # LoRA adapters in peft's format (train/lora.py)
 
-_log = logging.getLogger("baton.train.checkpoint")
+_log = logging.getLogger("baton.checkpoints")
 
 
 class CheckpointError(RuntimeError):

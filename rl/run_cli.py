@@ -24,7 +24,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from coordination.config import redact_argv
+from coordination.config import SECRET_KEYS, ConfigError, is_secret_reference, redact_argv
+from coordination.records import restrict_umask
+from rl.jobs import KINDS, JobKind
 
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
@@ -57,6 +59,11 @@ class RunArgs:
         if self.rl_phase == "rollout":
             return "rollout" if self.rollout_split == "train-only" else "eval"
         return self.rl_phase
+
+    @property
+    def kind(self) -> JobKind:
+        """What this job does (rl/jobs.py)."""
+        return KINDS[self.job]
 
     @property
     def is_master(self) -> bool:
@@ -141,8 +148,6 @@ def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict)
 
 
 def _warn_literal_secrets(overrides) -> None:
-    from coordination.config import SECRET_KEYS, is_secret_reference
-
     for o in overrides:
         key, _, value = o.partition("=")
         if key.strip() in SECRET_KEYS and value and not is_secret_reference(value):
@@ -204,21 +209,20 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
 def main(**kw) -> None:
     """Run this node's part of a baton RL job. Start it with the same --log-path on every node."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     args = parse(**kw)
-    from coordination.config import ConfigError
-    from coordination.runconfig import load_run_config
+    # The run config, the trainer's checks and the driver are imported only now, after the flags
+    # parsed: `--help` and usage errors answer at once (tests/test_run_cli.py checks it).
+    from rl.runconfig import load_run_config
 
     try:
         cfg = load_run_config(args.configs, args.config_overrides())
         cfg.check_for(args.rl_phase)
-        if args.job in ("both", "update", "bench"):
+        if args.kind.trains:
             from train.config import check_launch
 
             check_launch(cfg.train, args.num_nodes)
-        if args.job != "bench":
+        if args.bench is None:
             from train.memory_plan import check_memory
 
             # Before run_node writes anything: a trainer and an engine that cannot share the GPUs
@@ -226,7 +230,7 @@ def main(**kw) -> None:
             check_memory(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    from coordination.driver import run_node
+    from rl.driver import run_node
 
     sys.exit(run_node(args, cfg))
 

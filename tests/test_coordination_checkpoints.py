@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from coordination.layout import RunLayout
-from train.checkpoint import (CheckpointError, apply_retention, is_complete, mark_complete, policy_for,
+from coordination.checkpoints import (CheckpointError, apply_retention, is_complete, mark_complete, policy_for,
                               publish_checkpoint, read_latest)
 
 

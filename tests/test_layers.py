@@ -1,0 +1,53 @@
+"""The packages form one-way layers (docs/design.md §3): coordination/ (the protocol) imports none of
+rollout/, train/, rl/; rollout/ imports no train/ or rl/; train/ imports no rl/. Read from the
+source with ast, every import counted, function-local ones included."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from coordination.phases import PHASES, PhaseId
+from rl.jobs import KINDS
+
+ROOT = Path(__file__).resolve().parent.parent
+# Each package and the packages it may import.
+ALLOWED = {
+    "coordination": set(),
+    "rollout": {"coordination"},
+    "train": {"coordination", "rollout"},
+    "rl": {"coordination", "rollout", "train"},
+}
+
+
+def imports_of(package: str) -> dict[str, list[str]]:
+    """Other top-level package -> 'file:line module' of each import of it inside `package`."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in ALLOWED and top != package:
+                    found.setdefault(top, []).append(f"{path.relative_to(ROOT)}:{node.lineno} {module}")
+    return found
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    wrong = {f"{package} -> {other}": where for package in ALLOWED
+             for other, where in imports_of(package).items() if other not in ALLOWED[package]}
+    assert not wrong, wrong
+
+
+def test_phase_ids_name_the_phase_table():
+    assert [(p.number, p.name) for p in PHASES] == [(int(i), i.name.lower().replace("_", "-")) for i in PhaseId]
+
+
+def test_every_job_kind_runs_phases_of_the_table_in_order():
+    for kind in KINDS.values():
+        assert list(kind.phases) == sorted(set(kind.phases)), kind.name
+        assert set(kind.phases) <= {p.number for p in PHASES}, kind.name
