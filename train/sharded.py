@@ -1,0 +1,193 @@
+"""Sharded model load and parallel publication (docs/design.md §11.4).
+
+Load: the model is built with its parameters on the meta device (no host memory), the levers and
+FSDP2 are applied to that skeleton, and only then is each rank's shard allocated and filled from
+the Hugging Face safetensors files with torch.distributed.checkpoint's Hugging Face reader, which
+reads exactly the slices a rank holds (`safe_open(...).get_slice`). A rank's host memory is its
+shard plus one read buffer, never the whole model. Buffers (rotary frequencies) are computed in
+host memory while the skeleton is built, as they are small and not in the weight files.
+
+Publication: the trained parameters are assigned to the ranks in order, balanced by size. For
+every parameter all ranks take part in one all-gather; only its owner keeps the full tensor, cast
+to the serving dtype, and writes it into its own safetensors file. Each rank's buffer is therefore
+its share of the published model (1/world of it), and every rank writes at the same time. The
+file names and the index (`model.safetensors.index.json`) follow the Hugging Face convention, so
+transformers and vLLM load the folder as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from coordination.records import atomic_output
+from train.checkpoint import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to the meta device at once; buffers stay real.
+    (The same idea as accelerate's `init_empty_weights(include_buffers=False)`: buffers such as
+    rotary frequencies are computed in __init__ and are absent from the weight files.)"""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
+def can_load_sharded(folder: Path) -> bool:
+    """Sharded load reads safetensors; a folder with only .bin weights goes through transformers."""
+    return bool(weight_files(folder))
+
+
+def build_on_meta(folder: Path, attn: str) -> nn.Module:
+    """The model of `folder`'s config.json with float32 parameters on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train.model import quiet_transformers
+
+    quiet_transformers()
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot load a model from {folder}: {exc}") from None
+    with parameters_on_meta():
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    lm.tie_weights()
+    return lm
+
+
+def is_on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def file_key(name: str) -> str:
+    """The weight-file key of a parameter name of the policy's `lm` (peft's `.base_layer` removed)."""
+    return name.replace(".base_layer.", ".")
+
+
+def materialize(policy, folder: Path, device: torch.device) -> int:
+    """Collective: allocate the (sharded) parameters of a meta-built `policy` on `device` and fill
+    them from `folder`'s safetensors. Returns the number of tensors read. Buffers keep the values
+    computed at build time."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    buffers = {n: b.detach().clone() for n, b in policy.named_buffers()}
+    first: dict[int, str] = {}
+    tied = {n: first.setdefault(id(p), n) for n, p in policy.named_parameters(remove_duplicate=False)}
+    policy.to_empty(device=device)
+    # to_empty replaces each module's parameter on its own, which unties shared ones (a tied LM
+    # head); FSDP2 keeps one parameter per tensor, so this only acts on unsharded modules.
+    current = dict(policy.named_parameters(remove_duplicate=False))
+    for name, owner in tied.items():
+        if name != owner and current[name] is not current[owner]:
+            module_name, _, attr = name.rpartition(".")
+            setattr(policy.get_submodule(module_name), attr, current[owner])
+    with torch.no_grad():
+        for n, b in policy.named_buffers():
+            b.copy_(buffers[n])
+    targets = {file_key(n): p for n, p in policy.lm.named_parameters()}
+    available = set()
+    for path in weight_files(folder):
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            available.update(f.keys())
+    missing = sorted(set(targets) - available)
+    if missing:
+        raise CheckpointError(f"{folder} has no weights for {missing[:3]} ({len(missing)} missing); it is not a "
+                              f"checkpoint of this model (config.json and the safetensors files disagree)")
+    # DCP's planner fills DTensors (FSDP2 shards) and plain tensors (DDP) in place, reading only
+    # the slices each rank holds; the file's dtype (bf16 after a publication) is cast on copy.
+    dcp.load(dict(targets), storage_reader=HuggingFaceStorageReader(str(folder)))
+    return len(targets)
+
+
+def owners(sizes: list[int], world_size: int) -> list[int]:
+    """Rank that writes each tensor: contiguous runs in order, balanced by bytes (greedy)."""
+    total = sum(sizes) or 1
+    out, acc = [], 0
+    for s in sizes:
+        out.append(min(world_size - 1, int(acc * world_size / total)))
+        acc += s
+    return out
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    """Hugging Face's shard naming (model-00001-of-00002.safetensors); one file per rank."""
+    if world_size == 1:
+        return "model.safetensors"
+    return f"model-{rank + 1:05d}-of-{world_size:05d}.safetensors"
+
+
+def published_names(policy) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, parameter or buffer) of every tensor the published folder holds: tied weights
+    once (under the first name), persistent buffers included, in the module's order."""
+    lm = policy.lm
+    non_persistent = {f"{m}.{b}" if m else b for m, mod in lm.named_modules()
+                      for b in getattr(mod, "_non_persistent_buffers_set", ())}
+    named = list(lm.named_parameters()) + [(n, b) for n, b in lm.named_buffers() if n not in non_persistent]
+    return named
+
+
+def write_sharded_weights(policy, out: Path, rank: int, world_size: int, dtype: torch.dtype) -> list[str]:
+    """Collective: every rank writes its share of the weights (in `dtype`) as one safetensors file
+    into `out`. Returns the relative names of all weight files plus the index, which rank 0 writes
+    (the names are computed alike on every rank, so the completeness marker can check them by name)."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    named = published_names(policy)
+    sizes = [t.numel() * dtype.itemsize for _, t in named]
+    owner = owners(sizes, world_size)
+    writers = sorted(set(owner))
+    file_of = {r: shard_name(i, len(writers)) for i, r in enumerate(writers)}
+    mine: dict[str, torch.Tensor] = {}
+    for (name, t), o in zip(named, owner):
+        # Every rank takes part in the gather of a sharded tensor; only its owner keeps the result.
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if o == rank:
+            mine[name] = full.detach().to(device="cpu", dtype=dtype if full.is_floating_point() else full.dtype) \
+                .contiguous()
+        del full
+    if rank in file_of:
+        with atomic_output(out / file_of[rank]) as tmp:
+            save_file(mine, str(tmp), metadata={"format": "pt"})
+    names = [file_of[r] for r in writers]
+    if rank == 0 and len(writers) > 1:
+        index = {"metadata": {"total_size": sum(sizes)},
+                 "weight_map": {name: file_of[o] for (name, _), o in zip(named, owner)}}
+        with atomic_output(out / INDEX) as tmp:
+            tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names + ([INDEX] if len(writers) > 1 else [])
+
+
+def write_config(policy, out: Path, dtype: torch.dtype) -> None:
+    """config.json (its dtype says what the weights are stored in) and generation_config.json."""
+    import copy
+
+    config = copy.deepcopy(policy.lm.config)
+    config.dtype = dtype
+    config.save_pretrained(str(out))
+    gen = getattr(policy.lm, "generation_config", None)
+    if gen is not None and policy.lm.can_generate():
+        gen.save_pretrained(str(out))
