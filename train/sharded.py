@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -149,36 +150,53 @@ def published_names(policy) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def write_sharded_weights(policy, out: Path, rank: int, world_size: int, dtype: torch.dtype) -> list[str]:
-    """Collective: every rank writes its share of the weights (in `dtype`) as one safetensors file
-    into `out`. Returns the relative names of all weight files plus the index, which rank 0 writes
-    (the names are computed alike on every rank, so the completeness marker can check them by name)."""
-    from safetensors.torch import save_file
+@dataclass
+class Share:
+    """What one rank publishes: its tensors (already in the serving dtype, on the CPU), the file it
+    writes them to (None when it owns nothing), every weight file's name, and the index for rank 0."""
+    tensors: dict[str, torch.Tensor]
+    file: str | None
+    files: list[str]
+    index: dict | None
+
+
+def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype) -> Share:
+    """Collective: gather the full tensors this rank publishes. Every rank takes part in the
+    all-gather of each sharded tensor, in the same order; only its owner keeps the result, so a
+    rank holds its share of the published model (about 1/world of it) plus one tensor in flight."""
     from torch.distributed.tensor import DTensor
 
     named = published_names(policy)
-    sizes = [t.numel() * dtype.itemsize for _, t in named]
+    sizes = [t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for _, t in named]
     owner = owners(sizes, world_size)
     writers = sorted(set(owner))
     file_of = {r: shard_name(i, len(writers)) for i, r in enumerate(writers)}
     mine: dict[str, torch.Tensor] = {}
     for (name, t), o in zip(named, owner):
-        # Every rank takes part in the gather of a sharded tensor; only its owner keeps the result.
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if o == rank:
             mine[name] = full.detach().to(device="cpu", dtype=dtype if full.is_floating_point() else full.dtype) \
                 .contiguous()
         del full
-    if rank in file_of:
-        with atomic_output(out / file_of[rank]) as tmp:
-            save_file(mine, str(tmp), metadata={"format": "pt"})
-    names = [file_of[r] for r in writers]
-    if rank == 0 and len(writers) > 1:
+    files = [file_of[r] for r in writers]
+    index = None
+    if len(writers) > 1:
         index = {"metadata": {"total_size": sum(sizes)},
                  "weight_map": {name: file_of[o] for (name, _), o in zip(named, owner)}}
-        with atomic_output(out / INDEX) as tmp:
-            tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return names + ([INDEX] if len(writers) > 1 else [])
+        files.append(INDEX)
+    return Share(mine, file_of.get(rank), files, index)
+
+
+def write_share(share: Share, out: Path, rank: int) -> None:
+    """This rank's weight file (and on rank 0 the index), each written whole and renamed into place."""
+    from safetensors.torch import save_file
+
+    if share.file is not None:
+        with atomic_output(Path(out) / share.file) as tmp:
+            save_file(share.tensors, str(tmp), metadata={"format": "pt"})
+    if rank == 0 and share.index is not None:
+        with atomic_output(Path(out) / INDEX) as tmp:
+            Path(tmp).write_text(json.dumps(share.index, indent=2, sort_keys=True) + "\n")
 
 
 def write_config(policy, out: Path, dtype: torch.dtype) -> None:
