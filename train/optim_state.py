@@ -64,9 +64,14 @@ def save_optimizer_state(folder: Path, model: nn.Module, optimizer: torch.optim.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     flat, _ = _flat(model, optimizer)
     out = optimizer_dir(folder)
-    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
+    try:
+        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
+    except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
+        raise CheckpointError(f"writing the optimizer state to {out} failed: {exc}") from None
     return (out / shard_file(rank)).exists()
 
 
@@ -81,10 +86,12 @@ def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: 
     if not any(src.glob("shard-*.safetensors")):
         raise CheckpointError(f"{src} holds no optimizer state written by this version of baton (DCP shard files); "
                               f"remove {src} to start a fresh optimizer, or restore the checkpoint")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     flat, sd = _flat(model, optimizer)
     try:
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(src)))
-    except Exception as exc:  # noqa: BLE001 -- DCP wraps every per-rank failure; say what it means here
+    except (CheckpointException, RuntimeError) as exc:  # DCP's (a BaseException) gathers every rank's failure
         raise CheckpointError(f"cannot load the optimizer state in {src}: {exc}. It belongs to another model or "
                               f"parameter set (LoRA on/off?) or is incomplete; remove {src} to start a fresh "
                               f"optimizer") from None

@@ -119,7 +119,13 @@ def materialize(policy, folder: Path, device: torch.device) -> int:
                               f"checkpoint of this model (config.json and the safetensors files disagree)")
     # DCP's planner fills DTensors (FSDP2 shards) and plain tensors (DDP) in place, reading only
     # the slices each rank holds; the file's dtype (bf16 after a publication) is cast on copy.
-    dcp.load(dict(targets), storage_reader=HuggingFaceStorageReader(str(folder)))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(dict(targets), storage_reader=HuggingFaceStorageReader(str(folder)))
+    except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
+        raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
+                              f"safetensors files belong to the same model") from None
     return len(targets)
 
 
