@@ -238,5 +238,51 @@ def test_kill_during_the_parallel_write_never_publishes_a_partial_checkpoint(bas
     _assert_complete_or_absent(tmp_path, killed, complete)
 
 
+@pytest.fixture(scope="module")
+def model_200m(tmp_path_factory) -> Path:
+    from train.bench_load_publish import bench_model
+
+    return bench_model(tmp_path_factory.mktemp("m200") / "model")
+
+
+@pytest.mark.slow
+def test_sharded_load_of_a_200m_model_on_two_processes_stays_under_0_6_of_its_fp32_size(model_200m, tmp_path):
+    """Each rank's peak RSS during load minus its RSS before loading is at most 0.6 x the float32
+    model (a rank's half is 0.5 x); the same logits as a plain load."""
+    from train.batches import collate
+    from train.bench_load_publish import run_case
+    from train.model import Policy, load_causal_lm
+
+    params = json.loads((model_200m / "baton-tiny.json").read_text())["parameters"]
+    fp32_mb = params * 4 / 2**20
+    ranks = run_case(tmp_path, model_200m, "sharded", 2, timeout=600)
+    for r in ranks:
+        print(f"rank {r['rank']}: baseline {r['baseline_rss_mb']:.0f} MB, load peak {r['load_peak_rss_mb']:.0f} MB, "
+              f"model {fp32_mb:.0f} MB")
+        assert r["load_peak_rss_mb"] - r["baseline_rss_mb"] <= 0.6 * fp32_mb, r
+    _launch("logits", model_200m, tmp_path, 2, timeout=600)
+    plain = Policy(load_causal_lm(model_200m))
+    mb = collate(_rows(plain.lm.config.vocab_size), pad_id=0)
+    with torch.no_grad():
+        want, _ = plain(mb.input_ids, mb.attention_mask, mb.targets)
+    assert (_load(tmp_path / "logits.safetensors")["logp"] - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_parallel_publication_of_a_200m_model_is_complete_or_absent_under_kill_9(model_200m, tmp_path):
+    killed, complete = _kill_during_write(model_200m, tmp_path, timeout=600)
+    assert killed and not complete, "the kill came after the write finished; the model is too small to test this"
+    _assert_complete_or_absent(tmp_path, killed, complete)
+
+
+@pytest.mark.slow
+def test_parallel_publication_of_a_200m_model_loads_in_transformers(model_200m, tmp_path):
+    _launch("publish", model_200m, tmp_path, 2, timeout=600)
+    trained = _load(tmp_path / "trained.safetensors")
+    published, _ = _published_weights(tmp_path / "ckpt")
+    for k, v in trained.items():
+        assert torch.equal(published[k], v), k
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))

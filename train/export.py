@@ -55,6 +55,17 @@ def write_hf_folder(policy: Policy, state_dict: dict[str, torch.Tensor], out: Pa
     write_tokenizer(out, tokenizer_source)
 
 
+def reshard(policy: Policy) -> None:
+    """Put every FSDP2 unit back into its sharded state. After a forward that FSDP2 does not
+    reshard (the root's, e.g. SFT's evaluation by generate) the modules expose the gathered
+    tensors instead of the sharded parameters the optimizer holds, and DCP could not match them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimizer, info: DistInfo, backend: str,
                     run_id: str, iteration: int, tokenizer_source: Path, trainer_state: dict[str, Any],
                     lora: LoRAConfig | None = None, lora_record: dict[str, Any] | None = None) -> None:
@@ -64,6 +75,7 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
     from train.sharded import gather_share, write_config, write_share
 
     use_lora = lora is not None and bool(lora.rank)
+    reshard(policy)
     # Every rank decides alike: optimizer state exists after the first step on all ranks or none.
     has_state = all_reduce_sum([1.0 if optimizer_has_state(optimizer) else 0.0], info.device)[0] == info.world_size
     expected: list[str] = []
