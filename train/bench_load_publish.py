@@ -6,8 +6,8 @@ path against the sharded one (docs/design.md §11.4), on 1 and 2 processes.
   publication gathers the full state dict to rank 0, which writes it alone (save_pretrained);
 - `sharded`: every rank builds the model on the meta device and reads its shard
   (train/sharded.py); publication has every rank write its share.
-Each rank writes `OUT/MODE-wW-rR.json`: its RSS before loading (after the imports and the process
-group), its peak RSS by the end of the load, and the seconds from a barrier before publication to
+Each rank writes `OUT/MODE-wW-rR.json`: its RSS before loading (after the process group and the
+imports, the model's transformers class included: code, not weights), its peak RSS by the end of the load, and the seconds from a barrier before publication to
 a barrier after it. Publication writes float32 in both modes (the serving dtype on CPU), so both
 write the same bytes.
 """
@@ -35,7 +35,7 @@ def peak_rss_mb() -> float:
 def worker(mode: str, model: Path, out: Path) -> None:
     import torch
     import torch.distributed as dist
-    import transformers  # noqa: F401 -- imported before the baseline, as a trainer has it loaded
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from coordination.config import from_dict
     from train.build import Loaded, load_model, make_trainable
@@ -48,6 +48,9 @@ def worker(mode: str, model: Path, out: Path) -> None:
     from train.sharded import gather_share, write_config, write_share
 
     info = init_distributed(600.0)
+    # Code is not model: the model's class (transformers imports it lazily, ~90 MB of modules) is
+    # imported before the baseline, in both modes alike.
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(model)))]
     try:
         cfg = from_dict(TrainConfig, {"fused_lm_head_token_chunk_size": "disabled"})
         dist.barrier()

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -76,6 +79,68 @@ def build_on_meta(folder: Path, attn: str) -> nn.Module:
     return lm
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def safetensors_header(fd: int) -> tuple[dict, int]:
+    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) of an open file."""
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return json.loads(os.pread(fd, n, 8)), 8 + n
+
+
+def _pread_reader():
+    """DCP's Hugging Face reader, reading each request's rows with pread instead of through a
+    memory map: a mapped file's touched pages count in the process's RSS for as long as it is
+    open, which made a rank's peak look like the whole file; pread copies only the requested
+    rows into one buffer. Requests that slice beyond dim 0 (not FSDP2's layout) go through
+    safetensors as before."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.futures import Future
+
+    class PreadReader(HuggingFaceStorageReader):
+        def read_data(self, plan, planner):
+            per_file: dict[str, list] = {}
+            for req in plan.items:
+                per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            for file_name, reqs in per_file.items():
+                fd = os.open(file_name, os.O_RDONLY)
+                try:
+                    header, data_start = safetensors_header(fd)
+                    for req in reqs:
+                        self._pread(fd, header, data_start, req, planner)
+                finally:
+                    os.close(fd)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+        def _pread(self, fd, header, data_start, req, planner) -> None:
+            entry = header[req.storage_index.fqn]
+            shape, dtype = entry["shape"], _DTYPES.get(entry["dtype"])
+            rest_full = all(o == 0 and n == full for o, n, full in
+                            zip(req.storage_offsets[1:], req.lengths[1:], shape[1:]))
+            if dtype is None or not shape or not rest_full:
+                from safetensors import safe_open
+
+                with safe_open(self.storage_data[req.storage_index].relative_path, framework="pt") as f:
+                    self._process_read_request(f, req, planner)
+                return
+            row = math.prod(shape[1:]) * dtype.itemsize
+            begin = data_start + entry["data_offsets"][0] + req.storage_offsets[0] * row
+            buf = bytearray(req.lengths[0] * row)
+            if buf and os.preadv(fd, [buf], begin) != len(buf):
+                raise CheckpointError(f"{self.storage_data[req.storage_index].relative_path} is shorter than its "
+                                      f"header says ({req.storage_index.fqn}); the file is truncated")
+            tensor = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(tensor.reshape(list(req.lengths)))
+            planner.commit_tensor(req, target)
+
+    return PreadReader
+
+
 def is_on_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
@@ -90,7 +155,6 @@ def materialize(policy, folder: Path, device: torch.device) -> int:
     them from `folder`'s safetensors. Returns the number of tensors read. Buffers keep the values
     computed at build time."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     buffers = {n: b.detach().clone() for n, b in policy.named_buffers()}
     first: dict[int, str] = {}
@@ -122,7 +186,7 @@ def materialize(policy, folder: Path, device: torch.device) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(dict(targets), storage_reader=HuggingFaceStorageReader(str(folder)))
+        dcp.load(dict(targets), storage_reader=_pread_reader()(str(folder)))
     except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
