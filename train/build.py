@@ -63,11 +63,17 @@ def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | N
     here; make_trainable fills each rank's shard after FSDP2 (docs/design.md §11.4). LoRA keeps
     the full load: peft initialises and loads the adapters on real base weights."""
     from train.model import load_causal_lm
-    from train.sharded import build_on_meta, can_load_sharded
+    from train.sharded import build_on_meta, can_load_sharded, missing_names
 
     weights = weights_source(cfg.lora, Path(source), trainer_state)
     if not cfg.lora.rank and can_load_sharded(weights.base):
-        return Loaded(build_on_meta(weights.base, cfg.attn), weights, sharded=True)
+        skeleton = build_on_meta(weights.base, cfg.attn)
+        missing = missing_names(skeleton, weights.base)
+        if not missing:
+            return Loaded(skeleton, weights, sharded=True)
+        _log.warning("loading the whole model on every rank: %s stores weights under other names than the "
+                     "model's parameters (e.g. %s), which only transformers' own loading converts",
+                     weights.base, missing[0])
     lm = load_causal_lm(weights.base, cfg.attn)
     if cfg.lora.rank:
         inject_adapters(lm, cfg.lora, weights.adapter)

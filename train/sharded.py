@@ -62,6 +62,24 @@ def can_load_sharded(folder: Path) -> bool:
     return bool(weight_files(folder))
 
 
+def stored_names(folder: Path) -> set[str]:
+    """Tensor names in `folder`'s safetensors files (headers only)."""
+    names: set[str] = set()
+    for path in weight_files(folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            names.update(k for k in safetensors_header(fd)[0] if k != "__metadata__")
+        finally:
+            os.close(fd)
+    return names
+
+
+def missing_names(lm: nn.Module, folder: Path) -> list[str]:
+    """Parameters of `lm` that `folder`'s files do not hold under the module's own names (a model
+    whose checkpoints use other names is loaded by transformers, which converts them)."""
+    return sorted({file_key(n) for n, _ in lm.named_parameters()} - stored_names(folder))
+
+
 def build_on_meta(folder: Path, attn: str) -> nn.Module:
     """The model of `folder`'s config.json with float32 parameters on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -171,13 +189,7 @@ def materialize(policy, folder: Path, device: torch.device) -> int:
         for n, b in policy.named_buffers():
             b.copy_(buffers[n])
     targets = {file_key(n): p for n, p in policy.lm.named_parameters()}
-    available = set()
-    for path in weight_files(folder):
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            available.update(f.keys())
-    missing = sorted(set(targets) - available)
+    missing = missing_names(policy.lm, folder)
     if missing:
         raise CheckpointError(f"{folder} has no weights for {missing[:3]} ({len(missing)} missing); it is not a "
                               f"checkpoint of this model (config.json and the safetensors files disagree)")
