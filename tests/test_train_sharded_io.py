@@ -284,5 +284,19 @@ def test_parallel_publication_of_a_200m_model_loads_in_transformers(model_200m, 
         assert torch.equal(published[k], v), k
 
 
+@pytest.mark.slow
+def test_load_publish_benchmark_reports_both_paths_and_meets_the_memory_target(tmp_path):
+    proc = subprocess.run([ts.PYTHON, "-m", "train.bench", "--load-publish", "--json"], cwd=ts.REPO, env=ts.env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    for path in ("current", "sharded"):
+        assert {"load_peak_rss_mb_world1", "load_peak_rss_mb_world2", "publish_s_world1",
+                "publish_s_world2"} <= set(report[path])
+    assert report["sharded"]["load_peak_rss_mb_world2"] - report["baseline_rss_mb"] <= 0.6 * report["model_fp32_mb"]
+    # Today's path holds the whole model on every rank while loading.
+    assert report["current"]["load_peak_rss_mb_world2"] - report["baseline_rss_mb"] > report["model_fp32_mb"]
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
