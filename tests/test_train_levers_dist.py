@@ -189,7 +189,8 @@ def test_hsdp_2x2_trains_like_one_process_and_its_optimizer_state_reshards_into_
     assert "HSDP 2x2" in ts.logs_text(tmp_path / "logs-hsdp")
     _assert_close(ts.load_weights(runs["hsdp"].checkpoint(1)), ts.load_weights(runs["one"].checkpoint(1)), WEIGHT_TOL)
     layout = runs["hsdp"]
-    assert len(list((layout.checkpoint(1) / "optimizer").glob("rank-*.safetensors"))) == 4
+    # DCP writes each replicated piece once: at least one file per shard group, at most one per rank.
+    assert 2 <= len(list((layout.checkpoint(1) / "optimizer").glob("shard-*.safetensors"))) <= 4
     ts.write_trajectories(layout, 2, layout.checkpoint(1), seed=1, policy_iteration=1)
     plan2 = ts.prepare(layout, 2, layout.checkpoint(1), 1, world_size=1)
     assert ts.run_module("train.trainer", ["--plan", str(plan2)], tmp_path / "iter2.log") == 0, \

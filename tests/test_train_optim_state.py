@@ -1,14 +1,14 @@
-"""Optimizer state saved as safetensors + JSON per rank, and loaded with resharding."""
+"""Optimizer state through DCP (train/optim_state.py) in one process: round trip from FSDP2 into a
+plain model, and clear refusals of state that does not fit. Resharding across world sizes is
+tested on real processes in tests/test_train_sharded_io.py."""
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from coordination.records import publish_record
 from coordination.checkpoints import CheckpointError
 from train.config import TrainConfig
-from train.optim_state import _read_rows, _saved_shards, load_optimizer_state, save_optimizer_shard, shard_paths
+from train.optim_state import load_optimizer_state, save_optimizer_state
 
 
 @pytest.fixture(scope="module")
@@ -20,69 +20,56 @@ def group():
     shutdown()
 
 
-def _two_rank_save(folder, full: torch.Tensor, split: int) -> None:
-    """What two FSDP ranks write for one parameter `w` sharded on dim 0 at row `split`."""
-    for rank, (a, b) in enumerate([(0, split), (split, full.shape[0])]):
-        data, meta = shard_paths(folder, rank)
-        data.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"w::exp_avg": full[a:b].contiguous(), "w::exp_avg_sq": (full[a:b] ** 2).contiguous()}, str(data))
-        publish_record(meta, "optimizer-shard", {"rank": rank, "world_size": 2, "backend": "fsdp", "params": {
-            "w": {"shape": list(full.shape), "rows": [a, b], "tensors": ["exp_avg", "exp_avg_sq"],
-                  "scalars": {"step": {"value": 7.0, "dtype": "float32"}}}}}, run_id="r", generation=0)
-
-
-def test_rows_spanning_two_saved_shards_are_read_from_both(tmp_path):
-    full = torch.arange(30, dtype=torch.float32).reshape(10, 3)
-    _two_rank_save(tmp_path, full, split=5)
-    shards = _saved_shards(tmp_path, 2)
-    got = _read_rows(shards, "w", "exp_avg", [10, 3], (3, 8), {})
-    assert torch.equal(got, full[3:8])
-    assert _read_rows(shards, "w", "exp_avg", [10, 3], (10, 10), {}).shape == (0, 3)
-
-
-def test_state_saved_by_two_ranks_loads_whole_into_one_process(tmp_path):
-    full = torch.randn(10, 3)
-    _two_rank_save(tmp_path, full, split=5)
-    w = torch.nn.Parameter(torch.zeros(10, 3))
-    opt = torch.optim.AdamW([w])
-    assert load_optimizer_state(tmp_path, opt, [("w", w)], saved_world_size=2) == 1
-    assert torch.equal(opt.state[w]["exp_avg"], full)
-    assert torch.equal(opt.state[w]["exp_avg_sq"], full ** 2)
-    assert float(opt.state[w]["step"]) == 7.0
-
-
-def test_state_of_another_shape_or_missing_shard_is_refused(tmp_path):
-    _two_rank_save(tmp_path, torch.zeros(10, 3), split=5)
-    w = torch.nn.Parameter(torch.zeros(12, 3))
-    with pytest.raises(CheckpointError, match="belongs to another model"):
-        load_optimizer_state(tmp_path, torch.optim.AdamW([w]), [("w", w)], saved_world_size=2)
-    shard_paths(tmp_path, 1)[1].unlink()
-    with pytest.raises(CheckpointError, match="incomplete"):
-        load_optimizer_state(tmp_path, torch.optim.AdamW([w]), [("w", w)], saved_world_size=2)
-
-
-def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, group):
+def _trained(model_dir, group, backend: str):
     from train.batches import collate
-    from train.model import Policy, load_causal_lm, named_master_params
+    from train.model import Policy, load_causal_lm
     from train.optim import build_optimizer
     from train.parallel import apply_parallelism
     from train.step import StepSettings, train_step
-    from train.tiny import write_tiny_model
 
-    model_dir = write_tiny_model(tmp_path / "tiny", layers=2)
     policy = Policy(load_causal_lm(model_dir))
-    model = apply_parallelism(policy, "fsdp", group, torch.float32)
+    model = apply_parallelism(policy, backend, group, torch.float32)
     opt = build_optimizer(policy.parameters(), TrainConfig())
     mb = collate([{"prompt_ids": [1, 20, 21], "completion_ids": [22, 2]}], pad_id=0)
     train_step(model, list(policy.parameters()), opt, [mb], global_completion_tokens=2, lr=1e-3,
-               settings=StepSettings(algorithm="sft", backend="fsdp", dtype=torch.float32), info=group)
-    save_optimizer_shard(tmp_path / "ckpt", opt, named_master_params(policy), rank=0, world_size=1,
-                         backend="fsdp", run_id="r")
+               settings=StepSettings(algorithm="sft", backend=backend, dtype=torch.float32), info=group)
+    return policy, opt
+
+
+def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, group):
+    from train.model import Policy, load_causal_lm, named_master_params
+    from train.optim import build_optimizer
+    from train.tiny import write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "tiny", layers=2)
+    policy, opt = _trained(model_dir, group, "fsdp")
+    assert save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0)
+    assert not list((tmp_path / "ckpt").rglob("*.metadata"))   # DCP's pickled metadata is never written
 
     plain = Policy(load_causal_lm(model_dir))
     opt2 = build_optimizer(plain.parameters(), TrainConfig())
-    n = load_optimizer_state(tmp_path / "ckpt", opt2, named_master_params(plain), saved_world_size=1)
+    n = load_optimizer_state(tmp_path / "ckpt", opt2, plain)
     assert n == len(named_master_params(plain))
     for (name, p), (_, q) in zip(named_master_params(policy), named_master_params(plain)):
         assert torch.equal(opt.state[p]["exp_avg"].full_tensor(), opt2.state[q]["exp_avg"]), name
+        assert torch.equal(opt.state[p]["exp_avg_sq"].full_tensor(), opt2.state[q]["exp_avg_sq"]), name
         assert float(opt2.state[q]["step"]) == 1.0
+
+
+def test_state_of_another_model_or_an_old_format_is_refused_with_the_fix(tmp_path, group):
+    from train.model import Policy, load_causal_lm
+    from train.optim import build_optimizer
+    from train.tiny import write_tiny_model
+
+    small = write_tiny_model(tmp_path / "small", layers=2)
+    bigger = write_tiny_model(tmp_path / "bigger", layers=3)
+    policy, opt = _trained(small, group, "ddp")
+    save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0)
+    other = Policy(load_causal_lm(bigger))
+    with pytest.raises(CheckpointError, match="remove .*optimizer"):
+        load_optimizer_state(tmp_path / "ckpt", build_optimizer(other.parameters(), TrainConfig()), other)
+    old = tmp_path / "old" / "optimizer"
+    old.mkdir(parents=True)
+    (old / "rank-0.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no optimizer state written by this version"):
+        load_optimizer_state(tmp_path / "old", build_optimizer(other.parameters(), TrainConfig()), other)

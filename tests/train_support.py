@@ -129,9 +129,38 @@ def prepare(layout: RunLayout, iteration: int, input_checkpoint: Path, input_ite
 
 
 def load_weights(folder: Path) -> dict:
+    """All weights of a Hugging Face folder: one model.safetensors or the shards each trainer rank
+    wrote (model-0000R-of-0000W.safetensors)."""
     from safetensors.torch import load_file
 
-    return load_file(str(folder / "model.safetensors"))
+    out = {}
+    for path in sorted(Path(folder).glob("model*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def optimizer_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in (Path(folder) / "optimizer").iterdir())
+
+
+def optimizer_tensors(folder: Path) -> dict:
+    """name::state -> the pieces of it the DCP shard files under optimizer/ hold (train/optim_state.py)."""
+    from safetensors import safe_open
+
+    out: dict = {}
+    for path in sorted((Path(folder) / "optimizer").glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                out.setdefault(key, []).append(f.get_tensor(key))
+    return out
+
+
+def optimizer_steps(folder: Path) -> set[float]:
+    """The AdamW step counts saved with a checkpoint (one per parameter, replicated)."""
+    return {float(t) for key, pieces in optimizer_tensors(folder).items() if key.endswith("::step") for t in pieces}
+
+
+DCP_SHARDS_2 = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
 
 
 def torchrun(module: str, args: list[str], logs_dir: Path, *, nnodes: int = 2, nproc_per_node: int = 1,

@@ -1,5 +1,7 @@
 """`python -m train.bench [--json]`: training throughput of the tiny model on CPU.
 `python -m train.bench --levers [--json]`: the memory/speed levers against plain (train/bench_levers.py).
+`python -m train.bench --load-publish [--json]`: load memory and publication time of a ~200M model,
+the full-copy path against the sharded one, on 1 and 2 processes (train/bench_load_publish.py).
 
 For DDP and FSDP2 on 1 and 2 processes it writes synthetic trajectories, prepares a plan with
 two optimizer steps, launches the real trainer under torchrun and reads the trainer's own step
@@ -99,6 +101,9 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 @click.option("--iterations", default=3, show_default=True, help="--iteration: iterations per run")
 @click.option("--train-steps", default=4, show_default=True, help="--iteration: optimizer steps per iteration")
 @click.option("--repeats", default=3, show_default=True, help="--iteration: runs per mode (modes alternate)")
+@click.option("--load-publish", is_flag=True,
+              help="instead: peak RSS of loading and seconds of publishing a ~200M model, today's full-copy path "
+                   "vs the sharded one, on 1 and 2 processes")
 @click.option("--hidden", default=512, show_default=True, help="--levers: hidden size of the small Llama")
 @click.option("--layers", default=8, show_default=True, help="--levers: decoder blocks")
 @click.option("--vocab", default=32000, show_default=True, help="--levers: vocabulary size")
@@ -113,7 +118,7 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 @click.option("--threads", type=int, default=1, show_default=True,
               help="OMP threads per process; 0 = split the cores evenly between the processes")
 @click.option("--timeout", default=600.0, show_default=True, help="seconds allowed per torchrun launch")
-def main(as_json: bool, levers: bool, iteration: bool, **opts) -> None:
+def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opts) -> None:
     """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU),
     or with --levers each memory/speed lever against plain."""
     from coordination.records import restrict_umask
@@ -134,6 +139,25 @@ def main(as_json: bool, levers: bool, iteration: bool, **opts) -> None:
             click.echo(f"resident {report['resident_wall_s']:.1f} s vs restart {report['restart_wall_s']:.1f} s "
                        f"(ratio {report['ratio']:.2f}); phase 10 median {report['phase10_median_s']['resident']:.2f} s "
                        f"vs {report['phase10_median_s']['restart']:.2f} s")
+        return
+    if load_publish:
+        from train.bench_load_publish import run_load_publish
+
+        with tempfile.TemporaryDirectory(prefix="baton-load-publish-") as tmp:
+            report = run_load_publish(Path(tmp), timeout=opts["timeout"],
+                                      echo=lambda text: None if as_json else click.echo(text, err=True))
+        if as_json:
+            click.echo(json.dumps(report, indent=1))
+            return
+        click.echo(f"{report['model']}: {report['model_fp32_mb']:,.0f} MB in float32; a rank's RSS before loading "
+                   f"{report['baseline_rss_mb']:,.0f} MB")
+        for mode in ("current", "sharded"):
+            r = report[mode]
+            click.echo(f"{mode:8} load peak RSS {r['load_peak_rss_mb_world1']:>8,.0f} MB (1 proc) "
+                       f"{r['load_peak_rss_mb_world2']:>8,.0f} MB (2 procs); publish {r['publish_s_world1']:.2f} s "
+                       f"(1 proc) {r['publish_s_world2']:.2f} s (2 procs)")
+        click.echo(f"sharded, 2 procs: (peak - baseline) / fp32 size = "
+                   f"{report['sharded_load_over_baseline_ratio_world2']:.2f} (target <= 0.6)")
         return
     if levers:
         from train.bench_levers import print_levers, run_levers

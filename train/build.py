@@ -53,13 +53,27 @@ def preflight(cfg: TrainConfig, info: DistInfo) -> None:
 class Loaded:
     lm: nn.Module
     weights: WeightsSource
+    sharded: bool = False  # parameters on the meta device until make_trainable fills this rank's shard
 
 
 def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | None) -> Loaded:
-    """This rank's copy of the weights to train (with LoRA adapters injected when configured)."""
+    """This rank's copy of the weights to train (with LoRA adapters injected when configured).
+
+    Without LoRA and with safetensors weights the model is only a skeleton on the meta device
+    here; make_trainable fills each rank's shard after FSDP2 (docs/design.md §11.4). LoRA keeps
+    the full load: peft initialises and loads the adapters on real base weights."""
     from train.model import load_causal_lm
+    from train.sharded import build_on_meta, can_load_sharded, missing_names
 
     weights = weights_source(cfg.lora, Path(source), trainer_state)
+    if not cfg.lora.rank and can_load_sharded(weights.base):
+        skeleton = build_on_meta(weights.base, cfg.attn)
+        missing = missing_names(skeleton, weights.base)
+        if not missing:
+            return Loaded(skeleton, weights, sharded=True)
+        _log.warning("loading the whole model on every rank: %s stores weights under other names than the "
+                     "model's parameters (e.g. %s), which only transformers' own loading converts",
+                     weights.base, missing[0])
     lm = load_causal_lm(weights.base, cfg.attn)
     if cfg.lora.rank:
         inject_adapters(lm, cfg.lora, weights.adapter)
@@ -126,7 +140,18 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
 
     dtype = compute_dtype(cfg.dtype, info.device)
     policy, checkpointed, act_offload = make_policy(loaded.lm, cfg, info, trainable=True)
+    if loaded.sharded and cfg.backend != "fsdp":
+        from train.sharded import materialize
+
+        materialize(policy, loaded.weights.base, info.device)  # DDP replicates: every rank reads it all
     model = parallelize(policy, cfg, info, dtype)
+    if loaded.sharded and cfg.backend == "fsdp":
+        from train.sharded import materialize
+
+        # FSDP2's CPU offload keeps the shards in host memory; otherwise they live on the device.
+        materialize(policy, loaded.weights.base, torch.device("cpu") if cfg.fsdp_cpu_offload else info.device)
+    # The dtype a checkpoint of this policy is published in (train/export.py): what it computes in.
+    policy.serving_dtype = dtype
     params = trainable_parameters(policy)
     optimizer = build_optimizer(params, cfg)
     opt_offload = OptimizerStateOffload(optimizer, info.device) if cfg.optim_cpu_offload else None

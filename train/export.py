@@ -1,13 +1,18 @@
 """Writing a checkpoint folder from a running trainer (collective; used by RL and SFT).
 
-Order: every rank writes its optimizer shard; the ranks agree that all shards are there; the
-full state dict is gathered to rank 0, which writes the Hugging Face folder, `trainer_state.json`
-and, last, the completeness marker; the ranks agree again. A failure anywhere leaves a folder
-without a marker, which publication refuses.
+Who writes what (docs/design.md §11.4):
+- optimizer state: every rank its own DCP shard file (train/optim_state.py);
+- weights: every rank its share of the parameters, gathered and cast to the serving dtype (the
+  dtype the trainer computes in: bfloat16 on CUDA by default, float32 on CPU), as one safetensors
+  file; rank 0 also the index (train/sharded.py);
+- rank 0: config.json, generation_config.json, the tokenizer, `trainer_state.json` and, last,
+  the completeness marker, after all ranks agreed that their files are written. A failure (or
+  a kill) anywhere leaves a folder without a marker, which publication refuses.
 
 With LoRA (train/lora.py) rank 0 writes the adapters to `adapter/` and, unless
-`lora.publish=adapters`, the merged full weights as the Hugging Face folder; `trainer_state.json`
-records the LoRA settings and the base model the adapters belong to.
+`lora.publish=adapters`, the merged full weights from a gathered float32 state dict (peft merges
+on one full copy); `trainer_state.json` records the LoRA settings and the base model the
+adapters belong to.
 """
 from __future__ import annotations
 
@@ -19,10 +24,10 @@ import torch
 from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, remove_tree
 from coordination.checkpoints import TRAINER_STATE, mark_complete
 from train.config import LoRAConfig
-from train.distributed import DistInfo, agreed
+from train.distributed import DistInfo, agreed, all_reduce_sum
 from train.lora import publish_lora
-from train.model import Policy, named_master_params
-from train.optim_state import save_optimizer_shard, shard_paths
+from train.model import Policy
+from train.optim_state import has_state as optimizer_has_state, save_optimizer_state, shard_file
 from train.parallel import full_state_dict
 
 
@@ -50,39 +55,62 @@ def write_hf_folder(policy: Policy, state_dict: dict[str, torch.Tensor], out: Pa
     write_tokenizer(out, tokenizer_source)
 
 
+def reshard(policy: Policy) -> None:
+    """Put every FSDP2 unit back into its sharded state. After a forward that FSDP2 does not
+    reshard (the root's, e.g. SFT's evaluation by generate) the modules expose the gathered
+    tensors instead of the sharded parameters the optimizer holds, and DCP could not match them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimizer, info: DistInfo, backend: str,
                     run_id: str, iteration: int, tokenizer_source: Path, trainer_state: dict[str, Any],
                     lora: LoRAConfig | None = None, lora_record: dict[str, Any] | None = None) -> None:
     """Collective: write a complete checkpoint folder at `out` (rank 0 creates it beforehand).
     `lora` / `lora_record`: the run's LoRA settings and record (train.lora.WeightsSource.record)."""
-    named = named_master_params(policy)
-    has_state = any(optimizer.state.get(p) for _, p in named)
+    from train.optim_state import OPTIMIZER_DIR
+    from train.sharded import gather_share, write_config, write_share
 
-    def write_shard() -> None:
-        if has_state:
-            save_optimizer_shard(out, optimizer, named, rank=info.rank, world_size=info.world_size,
-                                 backend=backend, run_id=run_id)
-
-    agreed("writing optimizer state", info, write_shard)
-    state_dict = full_state_dict(policy)
+    use_lora = lora is not None and bool(lora.rank)
+    reshard(policy)
+    # Every rank decides alike: optimizer state exists after the first step on all ranks or none.
+    has_state = all_reduce_sum([1.0 if optimizer_has_state(optimizer) else 0.0], info.device)[0] == info.world_size
+    expected: list[str] = []
+    if has_state:
+        wrote = save_optimizer_state(out, policy, optimizer, info.rank)
+        flags = [0.0] * info.world_size
+        flags[info.rank] = 1.0 if wrote else 0.0
+        expected += [f"{OPTIMIZER_DIR}/{shard_file(r)}"
+                     for r, f in enumerate(all_reduce_sum(flags, info.device)) if f]
+    dtype = getattr(policy, "serving_dtype", torch.float32)
+    if use_lora:
+        state_dict = full_state_dict(policy)
+    else:
+        share = gather_share(policy, info.rank, info.world_size, dtype)
+        expected += share.files
+        agreed("writing the weights", info, lambda: write_share(share, out, info.rank))
 
     def write_main() -> None:
         if not info.is_main:
             return
-        weights: dict[str, torch.Tensor] | None = state_dict
-        if lora is not None and lora.rank:
+        if use_lora:
             weights = publish_lora(policy.lm.config, lora, Path(lora_record["base"]), state_dict, out)
-        if weights is not None:
-            write_hf_folder(policy, weights, out, tokenizer_source)
+            if weights is not None:
+                write_hf_folder(policy, weights, out, tokenizer_source)
+            else:
+                write_tokenizer(out, tokenizer_source)
         else:
+            write_config(policy, out, dtype)
             write_tokenizer(out, tokenizer_source)
         publish_record(out / TRAINER_STATE, "trainer-state",
                        {**trainer_state, "world_size": info.world_size, "backend": backend,
-                        "has_optimizer_state": has_state,
-                        "lora": lora_record if lora is not None and lora.rank else None},
+                        "has_optimizer_state": has_state, "weights_dtype": str(dtype).removeprefix("torch."),
+                        "lora": lora_record if use_lora else None},
                        run_id=run_id, generation=0)
-        shards = [p.relative_to(out).as_posix() for r in range(info.world_size) for p in shard_paths(out, r)]
-        mark_complete(out, iteration=iteration, run_id=run_id, expected=shards if has_state else [])
+        mark_complete(out, iteration=iteration, run_id=run_id, expected=expected)
 
     agreed("writing the checkpoint folder", info, write_main)
 

@@ -55,7 +55,7 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     from train.build import load_model, make_reference, make_trainable, preflight
     from train.distributed import agreed
     from train.export import read_trainer_state
-    from train.model import load_causal_lm, named_master_params
+    from train.model import load_causal_lm
     from train.optim_state import load_optimizer_state
 
     agreed("checking the trainer settings", info, lambda: preflight(cfg, info))
@@ -73,8 +73,7 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     reference = make_reference(ref_lm, cfg, info, t.dtype) if ref_lm is not None else None
     resumed = state is not None and bool(state.get("has_optimizer_state")) and t.weights.resume_optimizer
     if resumed:
-        agreed("loading optimizer state", info, lambda: load_optimizer_state(
-            source, t.optimizer, named_master_params(t.policy), saved_world_size=int(state["world_size"])))
+        load_optimizer_state(source, t.optimizer, t.policy)  # collective (DCP); resharded to this world size
         if t.optimizer_offload is not None:
             t.optimizer_offload.to_host()
     opt_step = int(state["optimizer_step"]) if resumed else 0
