@@ -67,6 +67,7 @@ class Phase:
     decide: Decide | None = None          # barrier only: the master's decision once all arrived
     enabled: Callable[[Step], bool] | None = None
     max_attempts: int = 1
+    attempts_key: str = "the phase's max_attempts"  # the setting that raises max_attempts, for messages
 
 
 def default_decide(step: Step, arrivals: dict[int, Arrival]) -> Verdict:
@@ -259,8 +260,13 @@ class PhaseRunner:
         arrivals = barrier.wait_arrivals(list(range(node.num_nodes)))
         verdict = (phase.decide or default_decide)(step, arrivals)
         if verdict.decision == "retry" and step.attempt >= phase.max_attempts:
-            verdict = Verdict("abort", f"{verdict.reason} (attempt {step.attempt} of {phase.max_attempts}: "
-                                       f"no attempts left)")
+            # The one place the attempt cap is applied. The retry's payload (for phase 10 the next
+            # attempt's rendezvous) rides along: nodes restarted after this abort try once more
+            # under attempt + 1 (_run_phase) and need it. For a known cause the reason already
+            # says what to do; otherwise more attempts may help a transient failure.
+            more = "" if "\n  what to do: " in verdict.reason else f"; raise {phase.attempts_key} to retry more"
+            verdict = Verdict("abort", f"{verdict.reason}\n  (attempt {step.attempt} of {phase.max_attempts}: "
+                                       f"no attempts left{more})", verdict.payload)
         if step.spec.number == self.final and verdict.decision == "continue":
             reason = self.stop_requested()
             if reason is None and step.iteration >= self.max_iterations:

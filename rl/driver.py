@@ -29,7 +29,8 @@ from coordination.progress import Progress
 from coordination.records import ensure_dir, open_own, publish_bytes, publish_record
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
 from rl.dryrun import dry_run
-from rl.payloads import EvalChoice, EvalResult, IterationSummary, RolloutDone, SyncGo, TrainAggregated
+from rl.payloads import (EvalChoice, EvalResult, IterationSummary, Rendezvous, RolloutDone, SyncGo, TrainAggregated,
+                         Trained, TrainerReady)
 from rl.pipeline import wait_for_checkpoint
 from rl.plan import RUNS_WHEN, RunPlan, make_plan
 from rl.run_cli import RunArgs
@@ -262,26 +263,27 @@ class RLJob:
         return {"plan": str(plan)}
 
     def rendezvous(self, iteration: int, attempt: int) -> dict:
-        """Where torchrun's agents meet for one attempt: a fresh port and rendezvous id each time."""
+        """Where torchrun's agents meet for one attempt: a fresh port and rendezvous id each time
+        (a Rendezvous record, as a GO payload)."""
         from coordination.manifest import read_master
 
         addr = read_master(self.node.job, self.node.run_id)["addr"]
-        return {"addr": addr, "port": free_port(addr), "attempt": attempt,
-                "rdzv_id": f"{self.node.run_id}-{self.node.job.name}-i{iteration}-a{attempt}"}
+        return Rendezvous(addr=addr, port=free_port(addr), attempt=attempt,
+                          rdzv_id=f"{self.node.run_id}-{self.node.job.name}-i{iteration}-a{attempt}").to_dict()
 
     def ready(self, step: Step) -> dict:
         """Phase 9 arrival: the launch this node's resident trainer serves, if one is alive."""
-        return {"trainer": self.trainer.alive() if self.trainer is not None else None}
+        return TrainerReady(self.trainer.alive() if self.trainer is not None else None).to_dict()
 
     def decide_ready(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
         if v.decision != "continue":
             return v
         if self.plan.resident_trainer:
-            launches = {a.payload.get("trainer") for a in arrivals.values()}
+            launches = {TrainerReady.from_dict(a.payload).trainer for a in arrivals.values()}
             if len(launches) == 1 and None not in launches and len(arrivals) == self.args.num_nodes:
                 # Every node's trainer is alive and of one launch: they keep serving.
-                return Verdict("continue", payload={"reuse": launches.pop()})
+                return Verdict("continue", payload=Rendezvous(reuse=launches.pop()).to_dict())
         # A fresh rendezvous: the first training of this process, or a node without its trainer
         # (restarted, or its trainer died), so every node launches anew.
         return Verdict("continue", payload=self.rendezvous(step.iteration, 1))
@@ -301,12 +303,12 @@ class RLJob:
                 return f"attempt {step.attempt} already failed on rank {r}: {a.error}"
         return None
 
-    def torchrun(self, step: Step, rdzv: dict) -> tuple[list[str], dict[str, str]]:
+    def torchrun(self, step: Step, rdzv: Rendezvous) -> tuple[list[str], dict[str, str]]:
         """This node's phase-10 torchrun command and environment for the rendezvous `rdzv`."""
         is_host = self.node.is_master
         cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
-                                      endpoint=f"{rdzv['addr']}:{rdzv['port']}", rdzv_id=rdzv["rdzv_id"],
-                                      is_host=is_host, local_addr=rdzv["addr"] if is_host else own_address(rdzv["addr"]))
+                                      endpoint=rdzv.endpoint, rdzv_id=rdzv.rdzv_id,
+                                      is_host=is_host, local_addr=rdzv.addr if is_host else own_address(rdzv.addr))
         env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
         return cmd, env
@@ -317,7 +319,7 @@ class RLJob:
         failed = self._attempt_failed_elsewhere(step)
         if failed:
             raise ChildFailed(failed)
-        rdzv = step.retry.payload if step.retry is not None else step.go_payload(9)
+        rdzv = Rendezvous.for_attempt(step)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
         if self.args.bench is not None:
@@ -343,22 +345,22 @@ class RLJob:
                         on_tick=watch_attempt, what=f"torchrun (iteration {step.iteration}, attempt {step.attempt})")
         finally:
             progress.close()
-        return {"attempt": step.attempt}
+        return Trained(step.attempt).to_dict()
 
-    def train_resident(self, step: Step, rdzv: dict) -> dict:
+    def train_resident(self, step: Step, rdzv: Rendezvous) -> dict:
         """Phase 10 with a resident trainer: launch it if this iteration's GO asks for a fresh
         rendezvous (or this node's trainer is not the one the GO names), give it the iteration's
         plan, and wait for every trainer rank's result record."""
         if self.trainer is None:
             self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
-        if "reuse" in rdzv:
-            if self.trainer.alive() != rdzv["reuse"]:
-                raise ChildFailed(f"the resident trainer {rdzv['reuse']} of this node is no longer running "
+        if rdzv.reuse is not None:
+            if self.trainer.alive() != rdzv.reuse:
+                raise ChildFailed(f"the resident trainer {rdzv.reuse} of this node is no longer running "
                                   f"(see {self.trainer.log_file}); the next attempt launches a fresh one")
         else:
             cmd, env = self.torchrun(step, rdzv)
-            self.node.say(f"launching the resident trainer ({rdzv['rdzv_id']})", beat=True)
-            self.trainer.launch(cmd, env, rdzv["rdzv_id"])
+            self.node.say(f"launching the resident trainer ({rdzv.rdzv_id})", beat=True)
+            self.trainer.launch(cmd, env, rdzv.rdzv_id)
         world = self.args.num_nodes * self.cfg.train.nproc_per_node
         self.trainer.order(iteration=step.iteration, attempt=step.attempt,
                            plan=str(self.layout.training_plan(step.iteration)),
@@ -383,26 +385,19 @@ class RLJob:
             raise
         finally:
             progress.close()
-        return {"attempt": step.attempt}
+        return Trained(step.attempt).to_dict()
 
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         failed = {r: a for r, a in arrivals.items() if not a.ok}
         if not failed:
             if self.args.bench is not None:
                 self.show_bench()
-            return Verdict("continue", payload={"attempt": step.attempt})
-        reason = failure_summary(step, failed)
-        if step.attempt >= self.cfg.train.max_attempts:
-            # More attempts help a transient failure; for a known cause the summary says what does.
-            more = "" if "\n  what to do: " in reason else "; raise train.max_attempts to retry more"
-            # The rendezvous of a next attempt rides along: nodes restarted after this abort
-            # try once more under attempt + 1 (runner._run_phase) and need a fresh one.
-            return Verdict("abort", f"{reason}\n  (attempt {step.attempt} of {self.cfg.train.max_attempts}{more})",
-                           self.rendezvous(step.iteration, step.attempt + 1))
-        return Verdict("retry", reason, self.rendezvous(step.iteration, step.attempt + 1))
+            return Verdict("continue", payload=Trained(step.attempt).to_dict())
+        # Always "retry": the runner turns it into an abort once train.max_attempts are used.
+        return Verdict("retry", failure_summary(step, failed), self.rendezvous(step.iteration, step.attempt + 1))
 
     def publish(self, step: Step) -> dict:
-        attempt = int(step.go_payload(PhaseId.TRAIN).get("attempt", 1))
+        attempt = Trained.of(step).attempt
         publish_checkpoint(self.layout, step.iteration, self.layout.checkpoint_staging(step.iteration, attempt),
                            run_id=self.node.run_id)
         # iteration i evaluates checkpoint i - 1: keep every checkpoint an eval iteration measures
@@ -438,7 +433,7 @@ class RLJob:
         if v.decision != "continue":
             return v
         train = PhaseId.TRAIN
-        train_attempt = int(step.go_payload(train).get("attempt", 1)) if train in step.gos else None
+        train_attempt = Trained.of(step).attempt if train in step.gos else None
         rec = metrics.build(self.layout, self.node.job, run_id=self.node.run_id, iteration=step.iteration,
                             num_nodes=self.args.num_nodes, policy_iteration=step.iteration - 1,
                             train_attempt=train_attempt, eval_done=EvalChoice.of(step).eval
@@ -464,7 +459,8 @@ class RLJob:
             P.STOP_INFERENCE: Phase(spec[P.STOP_INFERENCE], self.stop_inference),
             P.PREPARE_TRAINING_DATA: Phase(spec[P.PREPARE_TRAINING_DATA], self.prepare),
             P.TRAINING_READY: Phase(spec[P.TRAINING_READY], self.ready, self.decide_ready),
-            P.TRAIN: Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts),
+            P.TRAIN: Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts,
+                  attempts_key="train.max_attempts"),
             P.PUBLISH_CHECKPOINT: Phase(spec[P.PUBLISH_CHECKPOINT], self.publish),
             P.RESTART_INFERENCE: Phase(spec[P.RESTART_INFERENCE], self.restart_inference),
             P.ITERATION_DONE: Phase(spec[P.ITERATION_DONE], decide=self.decide_done),
@@ -494,7 +490,8 @@ class BenchJob(RLJob):
         P, spec = PhaseId, BY_NUMBER
         return [self._when(p) for p in (
             Phase(spec[P.SYNC], self.phase0, self.decide0), Phase(spec[P.TRAINING_READY], decide=self.decide_ready),
-            Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts))]
+            Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts,
+                  attempts_key="train.max_attempts"))]
 
     def finished_reason(self) -> str:
         return (f"benchmark done: results in {self.args.bench['bench_output_json'] or self.node.job.bench_json} "

@@ -83,3 +83,38 @@ class IterationSummary(Record):
     train_reward_mean: float | None = None
     eval_accuracy: float | None = None
     loss: float | None = None
+
+
+@dataclass(frozen=True)
+class Rendezvous(Record):
+    """Phase 9 GO (and the payload of a phase-10 retry): where this attempt's torchrun agents meet,
+    or, with resident trainers (docs/design.md §9.6), `reuse`: the launch every node keeps serving."""
+    phase: ClassVar[PhaseId] = PhaseId.TRAINING_READY
+    addr: str = ""
+    port: int = 0
+    attempt: int = 1
+    rdzv_id: str = ""
+    reuse: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+    @classmethod
+    def for_attempt(cls, step: Step) -> "Rendezvous":
+        """The rendezvous of `step`'s attempt: the retry's GO when this is a retry, else phase 9's."""
+        return cls.from_dict(step.retry.payload) if step.retry is not None else cls.of(step)
+
+
+@dataclass(frozen=True)
+class TrainerReady(Record):
+    """Phase 9 arrival: the launch of this node's resident trainer, if one is alive."""
+    phase: ClassVar[PhaseId] = PhaseId.TRAINING_READY
+    trainer: str | None = None
+
+
+@dataclass(frozen=True)
+class Trained(Record):
+    """Phase 10 GO: the attempt whose staging folder phase 11 publishes."""
+    phase: ClassVar[PhaseId] = PhaseId.TRAIN
+    attempt: int = 1
