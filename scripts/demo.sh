@@ -4,9 +4,15 @@
 # on this machine (scripts/run.sh --master and --worker 1, rank weights 2,1) and print eval
 # accuracy, reward and phase times per iteration, the report and where the logs are.
 #
-#   bash scripts/demo.sh            (about 11 minutes on 2 cores, 2 of them setting up .venv; BATON_DEMO_DIR sets the folder)
+#   bash scripts/demo.sh            (BATON_DEMO_DIR sets the folder, BATON_DEMO_SEED the seed of
+#                                    tasks, model, SFT and RL; default 0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+seed="${BATON_DEMO_SEED:-0}"
+if ! [[ "$seed" =~ ^[0-9]+$ ]]; then
+  echo "BATON_DEMO_SEED must be a non-negative integer (got '$seed'), e.g. BATON_DEMO_SEED=1" >&2
+  exit 2
+fi
 source scripts/venv.sh
 ensure_project_venv
 
@@ -20,21 +26,22 @@ mkdir -p "$work"
 echo "== demo folder: $work"
 
 echo "== 1/4 tasks: 5000 train and 500 eval 3-digit additions"
-"$py" -P -m rollout.tasks make --kind arithmetic --out "$work/data" --train 5000 --eval 500 --digits 3 --seed 0
+"$py" -P -m rollout.tasks make --kind arithmetic --out "$work/data" --train 5000 --eval 500 --digits 3 --seed "$seed"
 
 echo "== 2/4 a tiny character-level Llama"
-"$py" -P -m train.tiny --out "$work/tiny"
+"$py" -P -m train.tiny --out "$work/tiny" --seed "$seed"
 
 echo "== 3/4 SFT warm start until greedy eval accuracy reaches 25% (leaves headroom for RL)"
 OMP_NUM_THREADS=2 "$py" -P -m train.sft --model "$work/tiny" --data "$work/data/train.jsonl" --out "$work/sft" \
-  --eval-data "$work/data/eval.jsonl" --target-accuracy 0.25 --eval-every 25 --steps 1500 2>&1 \
+  --eval-data "$work/data/eval.jsonl" --target-accuracy 0.25 --eval-every 25 --steps 1500 --seed "$seed" 2>&1 \
   | tee "$work/sft.log" | grep --line-buffered -E "accuracy|wrote|step +[0-9]*00 " || true
 [ -f "$work/sft/config.json" ] || { echo "SFT did not write $work/sft; see $work/sft.log" >&2; exit 1; }
 
 echo "== 4/4 RL on two nodes of this machine (logs: $work/node-0.log, $work/node-1.log)"
 mkdir -m 750 "$work/run"
 common=(--data-path "$work/data" --log-path "$work/run" --rl-phase both --eval-interval 1
-        --num-nodes 2 --rank-weights 2,1 --config configs/demo.yaml "model.path=$work/sft")
+        --num-nodes 2 --rank-weights 2,1 --config configs/demo.yaml "model.path=$work/sft"
+        "run.seed=$seed" "rollout.seed=$seed" "train.seed=$seed")
 setsid scripts/run.sh "${common[@]}" --master >"$work/node-0.log" 2>&1 &
 master=$!
 setsid scripts/run.sh "${common[@]}" --worker 1 >"$work/node-1.log" 2>&1 &
