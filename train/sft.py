@@ -248,7 +248,7 @@ def main(**opts) -> None:
 
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if opts["bench"]:
-        sys.exit(run_sft(opts))
+        exit_now(run_sft(opts))
     missing = [f"--{k}" for k in ("model", "data", "out") if opts[k] is None]
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or pass --bench to benchmark on fake data)")
@@ -260,7 +260,13 @@ def main(**opts) -> None:
     if out.exists():
         with contextlib.suppress(FileNotFoundError):  # several ranks may race to remove it
             out.rmdir()
-    sys.exit(run_sft(opts))
+    exit_now(run_sft(opts))
+
+
+def exit_now(code: int) -> None:
+    from train.distributed import exit_now as leave  # torch loads only once the arguments are good
+
+    leave(code)
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
 
     def gone(reason: str) -> None:
         _log.error("resident trainer %s exits: %s", launch, reason)
-        _exit(4)
+        exit_now(4)
 
     watch_driver(gone)
     box.say("idle")
@@ -361,32 +361,24 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
     if bench["bench"]:
         if plan_path is not None:
             raise click.UsageError("--bench trains on fake data and takes no --plan")
-        _exit(run_bench({**bench, "model": model}, config_files, overrides))
+        exit_now(run_bench({**bench, "model": model}, config_files, overrides))
     if resident is not None:
         if plan_path is not None or log_path is None or job is None or node_rank is None:
             raise click.UsageError("--resident LAUNCH takes --log-path, --job and --for-node (and no --plan: orders name "
                                    "the plans)")
-        _exit(run_resident(log_path, job, node_rank, resident))
+        exit_now(run_resident(log_path, job, node_rank, resident))
     if plan_path is None:
         raise click.UsageError("give --plan PLAN (the training plan of phase 8), or --bench to benchmark")
     if overrides or config_files or model is not None:
         raise click.UsageError("--model, --config and key=value overrides are for --bench; a training run takes its "
                                "config from the plan")
-    _exit(run(plan_path, attempt))
+    exit_now(run(plan_path, attempt))
 
 
-def _exit(code: int) -> None:
-    """Leave without the interpreter's finalization. By now the results and the checkpoint are
-    published (fsync, then rename) and the process group is destroyed, but torch's gloo threads
-    can still abort finalization ("terminate called without an active exception", SIGABRT; seen
-    on a 2-process CPU run right after its checkpoint was published), which turned a finished
-    attempt into a failed one. Logs and standard streams are flushed first."""
-    import logging
+def exit_now(code: int) -> None:
+    from train.distributed import exit_now as leave  # torch loads only once the arguments are good
 
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":
