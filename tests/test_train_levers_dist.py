@@ -185,6 +185,7 @@ def test_hsdp_2x2_trains_like_one_process_and_its_optimizer_state_reshards_into_
             codes = ts.torchrun("train.trainer", ["--plan", str(plan)], tmp_path / f"logs-{name}", nnodes=1,
                                 nproc_per_node=world)
         assert codes == [0], ts.logs_text(tmp_path / f"logs-{name}") if world > 1 else ""
+        ts.publish(plan)
         runs[name] = layout
     assert "HSDP 2x2" in ts.logs_text(tmp_path / "logs-hsdp")
     _assert_close(ts.load_weights(runs["hsdp"].checkpoint(1)), ts.load_weights(runs["one"].checkpoint(1)), WEIGHT_TOL)
@@ -195,5 +196,6 @@ def test_hsdp_2x2_trains_like_one_process_and_its_optimizer_state_reshards_into_
     plan2 = ts.prepare(layout, 2, layout.checkpoint(1), 1, world_size=1)
     assert ts.run_module("train.trainer", ["--plan", str(plan2)], tmp_path / "iter2.log") == 0, \
         (tmp_path / "iter2.log").read_text()
+    ts.publish(plan2)
     assert "optimizer step 4)" in (tmp_path / "iter2.log").read_text()
     assert read_record(layout.checkpoint(2) / "trainer_state.json").data["optimizer_step"] == 8

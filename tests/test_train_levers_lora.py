@@ -31,9 +31,12 @@ def run(base, tmp_path_factory):
     rc1 = ts.run_module("train.trainer", ["--plan", str(plan)], layout.root / "iter1.log")
     rc2 = None
     if rc1 == 0:
+        ts.publish(plan)
         ts.write_trajectories(layout, 2, layout.checkpoint(1), seed=1, policy_iteration=1)
         plan2 = ts.prepare(layout, 2, layout.checkpoint(1), 1, lora={**LORA, "publish": "adapters"})
         rc2 = ts.run_module("train.trainer", ["--plan", str(plan2)], layout.root / "iter2.log")
+        if rc2 == 0:
+            ts.publish(plan2)
     return layout, rc1, rc2
 
 

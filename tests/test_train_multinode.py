@@ -42,6 +42,8 @@ def two_node_run(base, trajectories, tmp_path_factory):
     layout = _run_dir(tmp_path_factory.mktemp("two-node"), trajectories)
     plan = ts.prepare(layout, 1, base, 0, world_size=2)
     codes = ts.torchrun("train.trainer", ["--plan", str(plan)], layout.root / "logs-1")
+    if codes == [0, 0]:
+        ts.publish(plan)
     return layout, codes
 
 
@@ -70,6 +72,7 @@ def test_two_nodes_train_publish_a_loadable_checkpoint_and_the_next_iteration_re
     plan2 = ts.prepare(layout, 2, folder, 1, world_size=2)
     assert ts.torchrun("train.trainer", ["--plan", str(plan2)], layout.root / "logs-2") == [0, 0], \
         ts.logs_text(layout.root / "logs-2")
+    ts.publish(plan2)
     assert read_record(layout.checkpoint(2) / "trainer_state.json").data["optimizer_step"] == 8
     assert "optimizer step 4)" in ts.logs_text(layout.root / "logs-2")
     assert ts.optimizer_steps(layout.checkpoint(2)) == {8.0}
@@ -79,6 +82,7 @@ def test_two_nodes_train_publish_a_loadable_checkpoint_and_the_next_iteration_re
     plan3 = ts.prepare(layout, 3, layout.checkpoint(2), 2, world_size=1)
     assert ts.run_module("train.trainer", ["--plan", str(plan3)], layout.root / "iter3.log") == 0, \
         (layout.root / "iter3.log").read_text()
+    ts.publish(plan3)
     assert read_record(layout.checkpoint(3) / "trainer_state.json").data["optimizer_step"] == 12
     assert read_latest(layout)[0] == 3
 
@@ -112,6 +116,7 @@ def test_a_retry_after_a_failure_starts_from_the_same_inputs_and_gives_the_clean
     ts.prepare(layout, 1, base, 0, world_size=2)     # phase 8 again: the damaged shard is rebuilt identically
     assert ts.torchrun("train.trainer", ["--plan", str(plan), "--attempt", "2"], tmp_path / "logs-retry") == [0, 0], \
         ts.logs_text(tmp_path / "logs-retry")
+    ts.publish(plan, attempt=2)
     clean, _ = two_node_run
     a, b = ts.load_weights(clean.checkpoint(1)), ts.load_weights(layout.checkpoint(1))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -27,6 +27,8 @@ def first_iteration(base, tmp_path_factory):
     ts.write_trajectories(layout, 1, base)
     plan = ts.prepare(layout, 1, base, 0)
     rc = ts.run_module("train.trainer", ["--plan", str(plan)], root / "iter1.log")
+    if rc == 0:
+        ts.publish(plan)
     return layout, plan, rc
 
 
@@ -75,6 +77,7 @@ def test_next_iteration_resumes_the_optimizer_and_its_step_count(first_iteration
     plan = ts.prepare(layout, 2, layout.checkpoint(1), 1)
     assert ts.run_module("train.trainer", ["--plan", str(plan)], layout.root / "iter2.log") == 0, \
         _log(layout, "iter2.log")
+    ts.publish(plan)
     assert "optimizer step 4)" in _log(layout, "iter2.log")
     state = read_record(layout.checkpoint(2) / "trainer_state.json").data
     assert state["optimizer_step"] == 8
@@ -88,6 +91,7 @@ def test_a_rerun_on_the_same_inputs_gives_identical_weights(base, first_iteratio
     shutil.copytree(layout.rollout_iter_dir("train", 1), other.rollout_iter_dir("train", 1))
     plan = ts.prepare(other, 1, base, 0)
     assert ts.run_module("train.trainer", ["--plan", str(plan)], tmp_path / "again.log") == 0
+    ts.publish(plan)
     a, b = ts.load_weights(layout.checkpoint(1)), ts.load_weights(other.checkpoint(1))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -98,6 +102,7 @@ def test_a_plan_without_steps_republishes_the_input_weights_unchanged(base, tmp_
     plan = ts.prepare(layout, 1, base, 0)
     assert ts.run_module("train.trainer", ["--plan", str(plan)], tmp_path / "zero.log") == 0, \
         (tmp_path / "zero.log").read_text()
+    ts.publish(plan)
     a, b = ts.load_weights(base), ts.load_weights(layout.checkpoint(1))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert read_latest(layout)[0] == 1

@@ -114,6 +114,17 @@ def run_module(module: str, args: list[str], log: Path, timeout: float = 180.0,
         stop_group(proc, timeout=10)
 
 
+def publish(plan: Path, attempt: int = 1) -> Path:
+    """Phase 11 for a trainer run by hand: rename the attempt's staging folder into place and move
+    LATEST (the trainer only stages; publication has one owner, docs/design.md §6)."""
+    from coordination.checkpoints import publish_checkpoint
+    from coordination.records import read_record
+
+    layout, iteration = RunLayout.from_training_plan(plan)
+    return publish_checkpoint(layout, iteration, layout.checkpoint_staging(iteration, attempt),
+                              run_id=read_record(plan).run_id)
+
+
 def prepare(layout: RunLayout, iteration: int, input_checkpoint: Path, input_iteration: int, *, world_size: int = 1,
             **cfg) -> Path:
     from coordination.records import create_record

@@ -1,8 +1,10 @@
-"""Training: trajectories -> advantages -> torchrun trainer (FSDP2/DDP) -> published checkpoint.
+"""Training: trajectories -> advantages -> torchrun trainer (FSDP2/DDP) -> staged checkpoint.
 
-Phase 8 `data.prepare_training_data` writes per-rank shards and the plan; phase 10 runs
-`torchrun ... -m train.trainer --plan PLAN` (command from `launch.torchrun_command`) on every
-node; the trainer publishes `checkpoints/iter-N` (`checkpoint.publish_checkpoint`) and writes
-per-rank result records (`results.read_results`). `python -m train.sft` warm-starts a model,
-`python -m train.tiny` writes the tiny CPU model, `python -m train.bench` measures a step.
+Phase 8 `data.prepare_training_data` writes per-rank shards and the plan; phase 10 gives the plan
+to the node's resident trainer (`resident.ResidentTrainer`, `python -m train.trainer --resident`)
+or runs `torchrun ... -m train.trainer --plan PLAN` (command from `launch.torchrun_command`); the
+trainer stages the checkpoint folder and writes per-rank result records (`results.read_results`);
+phase 11 publishes it (`coordination.checkpoints.publish_checkpoint`). `python -m train.sft`
+warm-starts a model, `python -m train.tiny` writes the tiny CPU model, `python -m train.bench`
+measures a step, an iteration (`--iteration`) or loading and publication (`--load-publish`).
 """

@@ -1,14 +1,16 @@
-"""Phase 10-11: `torchrun ... -m train.trainer --plan PLAN --attempt A` (or plain `python -m` for one process).
+"""Phase 10: `torchrun ... -m train.trainer --plan PLAN --attempt A` (or plain `python -m` for one
+process), or, with train.resident, `torchrun ... -m train.trainer --resident LAUNCH ...`, which
+serves one such plan per order of its driver (train/resident.py, docs/design.md §9.6).
 
 `python -m train.trainer --bench [train key=value ...]` benchmarks a training step on fake data
 instead (train/benchmark.py), with any levers set by the overrides, e.g. `ac.freq=1 lora.rank=8`.
 
 Every rank reads the plan, its own shard, the input checkpoint the plan pins and, when present,
-its optimizer state; trains the plan's steps; writes its optimizer shard and a result record.
-When all ranks agree that everything is written, rank 0 writes the Hugging Face folder and the
-completeness marker into the attempt's staging folder and publishes it as checkpoints/iter-N.
-If any rank fails, every rank exits non-zero and nothing is published. If iter-N is already
-published, the trainer exits 0 at once (a rerun never trains twice).
+its optimizer state; trains the plan's steps; writes its share of the checkpoint into the
+attempt's staging folder (rank 0 the completeness marker, last), then its result record. Phase
+11 alone publishes the staging folder as checkpoints/iter-N. If any rank fails, every rank exits
+non-zero and no complete staging folder exists. If iter-N is already published, the trainer
+exits 0 at once (a rerun never trains twice).
 """
 from __future__ import annotations
 
@@ -146,21 +148,13 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
 
 
 def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
-    """The per-iteration trainer (train.resident=false): build, train once, publish."""
+    """The per-iteration trainer (train.resident=false): build, train once, stage the checkpoint
+    (phase 11 publishes it, as for the resident trainer)."""
     from coordination.config import from_dict
-    from coordination.checkpoints import publish_checkpoint
     from train.config import TrainConfig
-    from train.distributed import agreed
 
-    cfg = from_dict(TrainConfig, plan["config"])
-    held = load_held(plan, cfg, info)
-    train_iteration(held, plan, layout, iteration, attempt, info)
-    staging = layout.checkpoint_staging(iteration, attempt)
-    run_id = plan["run_id"]
-    final = agreed("publishing the checkpoint", info,
-                   lambda: publish_checkpoint(layout, iteration, staging, run_id=run_id) if info.is_main else None)
-    if info.is_main:
-        _log.info("published %s (optimizer step %d)", final, held.opt_step)
+    train_iteration(load_held(plan, from_dict(TrainConfig, plan["config"]), info), plan, layout, iteration, attempt,
+                    info)
 
 
 def run(plan_path: Path, attempt: int) -> int:
@@ -168,7 +162,7 @@ def run(plan_path: Path, attempt: int) -> int:
     from coordination import log
     from coordination.layout import RunLayout
     from coordination.records import read_record
-    from coordination.checkpoints import is_complete, publish_checkpoint
+    from coordination.checkpoints import is_complete
     from train.data import read_plan
     from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
     from train.results import write_result
@@ -190,8 +184,6 @@ def run(plan_path: Path, attempt: int) -> int:
                    plan["world_size"], world, plan["world_size"], world)
         return 2
     if is_complete(layout.checkpoint(iteration), run_id=plan["run_id"]):
-        if rank == 0:
-            publish_checkpoint(layout, iteration, layout.checkpoint_staging(iteration, attempt), run_id=plan["run_id"])
         _log.info("iteration %d is already published at %s; nothing to train", iteration, layout.checkpoint(iteration))
         return 0
     info = None
