@@ -15,13 +15,16 @@ import signal
 import socket
 from pathlib import Path
 
+import yaml
+
 from coordination import exits, log as blog, metrics, sinks
-from coordination.barrier import Arrival
-from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest
+from coordination.barrier import Arrival, Barrier
+from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest, serving_weights
 from coordination.children import ChildFailed, run_watched
 from coordination.config import to_dict
 from coordination.join import join_job
 from coordination.layout import RunLayout
+from coordination.manifest import read_master
 from coordination.net import free_port
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, PhaseId
@@ -265,8 +268,6 @@ class RLJob:
     def rendezvous(self, iteration: int, attempt: int) -> dict:
         """Where torchrun's agents meet for one attempt: a fresh port and rendezvous id each time
         (a Rendezvous record, as a GO payload)."""
-        from coordination.manifest import read_master
-
         addr = read_master(self.node.job, self.node.run_id)["addr"]
         return Rendezvous(addr=addr, port=free_port(addr), attempt=attempt,
                           rdzv_id=f"{self.node.run_id}-{self.node.job.name}-i{iteration}-a{attempt}").to_dict()
@@ -292,8 +293,6 @@ class RLJob:
         """An error another rank already reported for this attempt. A torchrun attempt needs every
         node: once one has given up (it died, or its trainer failed), launching or waiting here
         would only block until the rendezvous timeout, so this rank fails the attempt at once."""
-        from coordination.barrier import Barrier
-
         b = Barrier(self.node, step.iteration, 10, step.spec.name, step.attempt)
         for r in range(self.args.num_nodes):
             if r == self.node.rank:
@@ -323,8 +322,6 @@ class RLJob:
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
         if self.args.bench is not None:
-            import yaml
-
             target = self.node.job.bench_config(self.node.rank)
             ensure_dir(target.parent)
             publish_bytes(target, yaml.safe_dump({"train": to_dict(self.cfg.train)}, sort_keys=False).encode())
@@ -418,8 +415,6 @@ class RLJob:
         it, path = self.policy(step.iteration)
         if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
                 and self.engine.running):
-            from coordination.checkpoints import serving_weights
-
             weights, adapter = serving_weights(path)
             self.engine.wake(weights)
             self.engine.set_adapter(adapter)

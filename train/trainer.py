@@ -11,6 +11,9 @@ attempt's staging folder (rank 0 the completeness marker, last), then its result
 11 alone publishes the staging folder as checkpoints/iter-N. If any rank fails, every rank exits
 non-zero and no complete staging folder exists. If iter-N is already published, the trainer
 exits 0 at once (a rerun never trains twice).
+
+torch, transformers and pyarrow (train.build, train.data, ...) are imported inside the functions
+that train, so `--help` and usage errors answer before they load.
 """
 from __future__ import annotations
 
@@ -24,7 +27,15 @@ from typing import Any
 
 import click
 
+from coordination import log
+from coordination.checkpoints import CheckpointError, is_complete
+from coordination.config import ConfigError, from_dict
+from coordination.layout import RunLayout
+from coordination.records import read_record, restrict_umask
 from train.benchmark import bench_options
+from train.config import TrainConfig
+from train.resident import Mailbox, watch_driver
+from train.results import summarise, write_result
 
 _log = logging.getLogger("baton.train.trainer")
 
@@ -96,7 +107,6 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
     from train.distributed import agreed
     from train.export import prepare_output_dir, save_checkpoint
     from train.optim import config_lr
-    from train.results import summarise, write_result
     from train.step import StepSettings, train_step
 
     started = time.monotonic()
@@ -150,8 +160,6 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
 def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
     """The per-iteration trainer (train.resident=false): build, train once, stage the checkpoint
     (phase 11 publishes it, as for the resident trainer)."""
-    from coordination.config import from_dict
-    from train.config import TrainConfig
 
     train_iteration(load_held(plan, from_dict(TrainConfig, plan["config"]), info), plan, layout, iteration, attempt,
                     info)
@@ -159,13 +167,8 @@ def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> N
 
 def run(plan_path: Path, attempt: int) -> int:
     """The trainer's whole life on one rank; returns the process exit code."""
-    from coordination import log
-    from coordination.layout import RunLayout
-    from coordination.records import read_record
-    from coordination.checkpoints import is_complete
     from train.data import read_plan
     from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
-    from train.results import write_result
 
     rank = int(os.environ.get("RANK", "0"))
     log.setup(f"train rank{rank}")
@@ -210,16 +213,9 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
     """A resident trainer process (train.resident): serve this node's orders until stopped.
     Returns the exit code: 0 after a stop order, 1 after a failed iteration (its result record
     says why), 2 on a plan that cannot be used, 4 when its driver is gone or its node was taken over."""
-    from coordination import log
-    from coordination.config import from_dict
-    from coordination.layout import RunLayout
-    from coordination.records import read_record
-    from train.config import TrainConfig
     from train.data import read_plan
     from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
     from train.offload import ResidentOffload, device_memory_mb
-    from train.resident import Mailbox, watch_driver
-    from train.results import write_result
 
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     log.setup(f"train rank{rank}")
@@ -287,9 +283,7 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
 
 def _explained(exc: Exception) -> bool:
     """Failures whose message says everything (no traceback in the log)."""
-    from coordination.config import ConfigError
     from train.batches import ShardError
-    from coordination.checkpoints import CheckpointError
     from train.distributed import PeerFailed
     from train.step import TrainingDiverged
 
@@ -298,8 +292,6 @@ def _explained(exc: Exception) -> bool:
 
 def run_bench(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, ...]) -> int:
     """`--bench`: the RL (GRPO) step on fake data; exit 2 on a configuration to fix."""
-    from coordination import log
-    from coordination.config import ConfigError
     from train.benchmark import bench_model, print_and_write, run_bench as bench, train_config_from
     from train.distributed import init_distributed, offloads_to_cpu, shutdown
 
@@ -347,7 +339,6 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
 
     With --bench: benchmark training steps on fake data; OVERRIDES are train config keys
     (key=value, e.g. ac.freq=1 fused_lm_head_token_chunk_size=disabled lora.rank=8)."""
-    from coordination.records import restrict_umask
 
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if bench["bench"]:
