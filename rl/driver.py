@@ -34,7 +34,7 @@ from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decid
 from rl.dryrun import dry_run
 from rl.payloads import (EvalChoice, EvalResult, IterationSummary, Rendezvous, RolloutDone, SyncGo, TrainAggregated,
                          Trained, TrainerReady)
-from rl.pipeline import wait_for_checkpoint
+from rl.pipeline import wait_for_checkpoint, wait_for_rollouts
 from rl.plan import RUNS_WHEN, RunPlan, make_plan
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
@@ -237,10 +237,8 @@ class RLJob:
         return Verdict("continue", payload=EvalResult(eval_accuracy=acc).to_dict())
 
     def stop_inference(self, step: Step) -> dict:
-        if self.args.job == "update":
+        if self.kind.waits_for == "rollouts":
             if self.node.is_master:
-                from rl.pipeline import wait_for_rollouts
-
                 wait_for_rollouts(self, step.iteration)
             return {}
         if self.engine is not None and self.engine.running:
@@ -312,8 +310,18 @@ class RLJob:
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
         return cmd, env
 
+    def already_trained(self, iteration: int) -> bool:
+        """A rerun never trains twice: the iteration's checkpoint is published."""
+        return self.checkpoint_done(iteration)
+
+    def before_torchrun(self) -> None:
+        """What the per-launch torchrun needs beside the plan (nothing for an RL job)."""
+
+    def after_training(self) -> None:
+        """Run by the master once every rank trained (nothing for an RL job)."""
+
     def train(self, step: Step) -> dict:
-        if self.args.bench is None and self.checkpoint_done(step.iteration):
+        if self.already_trained(step.iteration):
             return {"skipped": "checkpoint already published"}
         failed = self._attempt_failed_elsewhere(step)
         if failed:
@@ -321,10 +329,7 @@ class RLJob:
         rdzv = Rendezvous.for_attempt(step)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
-        if self.args.bench is not None:
-            target = self.node.job.bench_config(self.node.rank)
-            ensure_dir(target.parent)
-            publish_bytes(target, yaml.safe_dump({"train": to_dict(self.cfg.train)}, sort_keys=False).encode())
+        self.before_torchrun()
         cmd, env = self.torchrun(step, rdzv)
 
         log_file = self.log_dir / "trainer.log"
@@ -361,7 +366,7 @@ class RLJob:
         world = self.args.num_nodes * self.cfg.train.nproc_per_node
         self.trainer.order(iteration=step.iteration, attempt=step.attempt,
                            plan=str(self.layout.training_plan(step.iteration)),
-                           offload=self.cfg.train.offload_between_iterations and self.args.job == "both")
+                           offload=self.cfg.train.offload_between_iterations and self.kind.serves)
         progress = StepProgress(self.trainer.log_file, f"train iter {step.iteration}", self.node)
 
         def tick() -> None:
@@ -387,8 +392,7 @@ class RLJob:
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         failed = {r: a for r, a in arrivals.items() if not a.ok}
         if not failed:
-            if self.args.bench is not None:
-                self.show_bench()
+            self.after_training()
             return Verdict("continue", payload=Trained(step.attempt).to_dict())
         # Always "retry": the runner turns it into an abort once train.max_attempts are used.
         return Verdict("retry", failure_summary(step, failed), self.rendezvous(step.iteration, step.attempt + 1))
@@ -405,7 +409,7 @@ class RLJob:
 
     def restart_inference(self, step: Step) -> dict:
         """Serve the new checkpoint for the next iteration (restart, reload or wake)."""
-        if self.args.job != "both" or step.iteration + 1 > self.plan.last_iteration:
+        if not (self.kind.serves and self.kind.trains) or step.iteration + 1 > self.plan.last_iteration:
             return {}  # no engine in this job, or the run ends with this iteration
         if not self.node.is_master:
             # Phase 11 (the master's) publishes; phase 12 has no barrier before it.
@@ -491,6 +495,18 @@ class BenchJob(RLJob):
     def finished_reason(self) -> str:
         return (f"benchmark done: results in {self.args.bench['bench_output_json'] or self.node.job.bench_json} "
                 f"(the master's console shows the table)")
+
+    def already_trained(self, iteration: int) -> bool:
+        return False  # a benchmark publishes no checkpoint
+
+    def before_torchrun(self) -> None:
+        """The trainer's --bench reads this run's `train` section from a YAML file (--config)."""
+        target = self.node.job.bench_config(self.node.rank)
+        ensure_dir(target.parent)
+        publish_bytes(target, yaml.safe_dump({"train": to_dict(self.cfg.train)}, sort_keys=False).encode())
+
+    def after_training(self) -> None:
+        self.show_bench()
 
     def show_bench(self) -> None:
         """Print the benchmark's table on the master's console: every torchrun has exited (this is
