@@ -59,10 +59,16 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     finally:
         stop_group(proc)
     if code != 0:
-        lines = why(log_file, start)
-        cause = error_line(lines)
-        raise ChildFailed(f"{what} exited with code {code}{': ' + cause if cause else ''} (read {log_file}); "
-                          f"from its log:\n{lines}")
+        raise exited(what, code, log_file, start)
+
+
+def exited(what: str, code: int | None, log_file: Path, start: int = 0) -> ChildFailed:
+    """The error for a child that exited with `code`: the cause its log names, and the log lines
+    after offset `start` (this launch's part) that say why."""
+    lines = why(log_file, start)
+    cause = error_line(lines)
+    return ChildFailed(f"{what} exited with code {code}{': ' + cause if cause else ''} (read {log_file}); "
+                       f"from its log:\n{lines}")
 
 
 def check_node_and_peers(node: Node, peers: Iterable[int], what: str) -> None:

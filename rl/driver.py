@@ -310,6 +310,16 @@ class RLJob:
                            socket_ifname=self.cfg.coordination.socket_ifname or None)
         return cmd, env
 
+    def _attempt_watch(self, step: Step, progress: StepProgress):
+        """What the driver checks while its trainer works: progress lines, and another rank's
+        failure of this attempt (stop waiting at once)."""
+        def tick() -> None:
+            progress.update()
+            failed = self._attempt_failed_elsewhere(step)
+            if failed:
+                raise ChildFailed(f"stopped training: {failed}")
+        return tick
+
     def already_trained(self, iteration: int) -> bool:
         """A rerun never trains twice: the iteration's checkpoint is published."""
         return self.checkpoint_done(iteration)
@@ -334,13 +344,7 @@ class RLJob:
 
         log_file = self.log_dir / "trainer.log"
         progress = StepProgress(log_file, f"train iter {step.iteration}", self.node)
-
-        def watch_attempt() -> None:
-            progress.update()
-            failed = self._attempt_failed_elsewhere(step)
-            if failed:
-                raise ChildFailed(f"stopped torchrun: {failed}")
-
+        watch_attempt = self._attempt_watch(step, progress)
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
         try:
             run_watched(cmd, env=env, log_file=log_file, node=self.node, peers=range(self.args.num_nodes),
@@ -368,13 +372,7 @@ class RLJob:
                            plan=str(self.layout.training_plan(step.iteration)),
                            offload=self.cfg.train.offload_between_iterations and self.kind.serves)
         progress = StepProgress(self.trainer.log_file, f"train iter {step.iteration}", self.node)
-
-        def tick() -> None:
-            progress.update()
-            failed = self._attempt_failed_elsewhere(step)
-            if failed:
-                raise ChildFailed(failed)
-
+        tick = self._attempt_watch(step, progress)
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
         what = f"training (iteration {step.iteration}, attempt {step.attempt})"
         try:

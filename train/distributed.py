@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -82,19 +81,6 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def exit_now(code: int) -> None:
-    """Leave a torchrun worker without the interpreter's finalization. By then its outputs are
-    published (fsync, then rename) and the process group is destroyed, but torch's gloo threads
-    can still abort finalization ("terminate called without an active exception", SIGABRT; seen
-    on 2-process CPU runs of the trainer and of SFT right after their checkpoints were written),
-    which turned a finished run into a failed one. Logs and standard streams are flushed first."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

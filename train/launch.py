@@ -5,10 +5,14 @@ the others join it (`is_host=0`). With c10d, ranks are assigned in arrival order
 `--node-rank` is informative only. `--local-addr` and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
 make a node advertise and bind the right interface on multi-homed hosts; without them gloo may
 bind to 127.0.0.1 and peers time out. The driver runs the command in its own process group and
-uses its exit code: non-zero on every node when any rank fails.
+uses its exit code: non-zero on every node when any rank fails. `exit_now` is how its workers
+(the trainer, SFT) leave once their outputs are written.
 """
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from typing import Mapping
 
 
@@ -46,3 +50,15 @@ def torchrun_env(base_env: Mapping[str, str], *, omp_threads: int, socket_ifname
         env["GLOO_SOCKET_IFNAME"] = socket_ifname
         env["NCCL_SOCKET_IFNAME"] = socket_ifname
     return env
+
+
+def exit_now(code: int) -> None:
+    """Leave a torchrun worker without the interpreter's finalization. By then its outputs are
+    published (fsync, then rename) and the process group is destroyed, but torch's gloo threads
+    can still abort finalization ("terminate called without an active exception", SIGABRT; seen
+    on 2-process CPU runs of the trainer and of SFT right after their checkpoints were written),
+    which turned a finished run into a failed one. Logs and standard streams are flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

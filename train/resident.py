@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from coordination.children import ChildFailed, check_node_and_peers, error_line, why
+from coordination.children import ChildFailed, check_node_and_peers, exited
 from coordination.claims import process_start
 from coordination.clock import Backoff
 from coordination.layout import JobLayout
@@ -107,10 +107,7 @@ class ResidentTrainer:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
                 self.proc, self.launch_id = None, None
-                lines = why(self.log_file, self._log_start)
-                cause = error_line(lines)
-                raise ChildFailed(f"{what}: the resident trainer exited with code {code}"
-                                  f"{': ' + cause if cause else ''} (read {self.log_file}); from its log:\n{lines}")
+                raise exited(f"{what}: the resident trainer", code, self.log_file, self._log_start)
             check_node_and_peers(self.node, peers, what)
             if on_tick is not None:
                 on_tick()

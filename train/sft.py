@@ -26,6 +26,7 @@ from pathlib import Path
 import click
 
 from train.benchmark import bench_options
+from train.launch import exit_now
 
 _log = logging.getLogger("baton.train.sft")
 
@@ -261,12 +262,6 @@ def main(**opts) -> None:
         with contextlib.suppress(FileNotFoundError):  # several ranks may race to remove it
             out.rmdir()
     exit_now(run_sft(opts))
-
-
-def exit_now(code: int) -> None:
-    from train.distributed import exit_now as leave  # torch loads only once the arguments are good
-
-    leave(code)
 
 
 if __name__ == "__main__":

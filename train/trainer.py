@@ -33,6 +33,7 @@ from coordination.config import ConfigError, from_dict
 from coordination.layout import RunLayout
 from coordination.records import read_record, restrict_umask
 from train.benchmark import bench_options
+from train.launch import exit_now
 from train.config import TrainConfig
 from train.resident import Mailbox, watch_driver
 from train.results import summarise, write_result
@@ -356,12 +357,6 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
         raise click.UsageError("--model, --config and key=value overrides are for --bench; a training run takes its "
                                "config from the plan")
     exit_now(run(plan_path, attempt))
-
-
-def exit_now(code: int) -> None:
-    from train.distributed import exit_now as leave  # torch loads only once the arguments are good
-
-    leave(code)
 
 
 if __name__ == "__main__":
