@@ -77,3 +77,23 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor():
     assert [lr_at(s, **kw) for s in (0, 1)] == [0.5, 1.0]
     assert lr_at(7, **kw) == pytest.approx(0.55)          # halfway through the decay
     assert lr_at(12, **kw) == pytest.approx(0.1) and lr_at(100, **kw) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("body, code, says", [
+    ("print('done', flush=True)", 0, "done"),
+    ("raise ValueError('bad shard 3')", 1, "ValueError: bad shard 3"),
+    ("raise SystemExit(7)", 7, ""),
+])
+def test_run_worker_exits_with_the_outcome_and_prints_the_traceback(tmp_path, body, code, says):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "w.py"
+    script.write_text(f"from train.launch import run_worker\n\ndef work():\n    {body}\n\nrun_worker(work)\n"
+                      "print('never reached')\n")
+    repo = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == code, res.stderr
+    assert says in res.stdout + res.stderr and "never reached" not in res.stdout

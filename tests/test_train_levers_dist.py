@@ -164,7 +164,9 @@ def test_checkpointing_offloading_chunked_head_and_lora_on_two_processes_match_p
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    from train.launch import run_worker
+
+    run_worker(worker, Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
 
 
 @pytest.mark.slow

@@ -299,4 +299,6 @@ def test_load_publish_benchmark_reports_both_paths_and_meets_the_memory_target(t
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
+    from train.launch import run_worker
+
+    run_worker(worker, sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))

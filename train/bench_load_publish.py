@@ -149,4 +149,6 @@ def run_load_publish(root: Path, timeout: float = 600.0, echo=lambda text: None)
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    from train.launch import run_worker
+
+    run_worker(worker, sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

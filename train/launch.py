@@ -6,13 +6,15 @@ the others join it (`is_host=0`). With c10d, ranks are assigned in arrival order
 make a node advertise and bind the right interface on multi-homed hosts; without them gloo may
 bind to 127.0.0.1 and peers time out. The driver runs the command in its own process group and
 uses its exit code: non-zero on every node when any rank fails. `exit_now` is how its workers
-(the trainer, SFT) leave once their outputs are written.
+(the trainer, SFT) leave once their outputs are written; `run_worker` does the same for the
+workers of the tests and the load-publish benchmark.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import traceback
 from typing import Mapping
 
 
@@ -62,3 +64,17 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_worker(fn, *args) -> None:
+    """A torchrun worker's `__main__`: run `fn(*args)`, print any traceback, and leave through
+    `exit_now` (0 on success, 1 on an exception, a SystemExit's own code), so that the gloo
+    finalization abort cannot turn a finished worker into a failed one."""
+    try:
+        fn(*args)
+    except SystemExit as stop:
+        exit_now(stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1))
+    except BaseException:
+        traceback.print_exc()
+        exit_now(1)
+    exit_now(0)
