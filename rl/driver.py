@@ -42,6 +42,7 @@ from rl.serving import EngineLifecycle
 from rollout.rewards import load_reward
 from train.benchmark import render_table
 from train.launch import torchrun_env
+from train.memory_plan import gpu_visible
 from train.resident import ResidentTrainer
 from train.results import read_results
 
@@ -104,7 +105,8 @@ class RLJob:
         self.plan = plan or make_plan(args, cfg)
         self.kind = self.plan.kind
         self.layout: RunLayout = node.layout
-        self.trainer = None  # train.resident.ResidentTrainer once phase 10 launched one
+        self.trainer = None  # train.resident.ResidentTrainer once phase 0 or 10 launched one
+        self._early_launches: set[str] = set()  # the early rendezvous ids this process acted on
         self._tokenizer = None
         self._reward = None
         self.log_dir = node.job.logs_dir(node.rank)
@@ -206,17 +208,63 @@ class RLJob:
             need = step.iteration - 1 if self.kind.policy == "previous" else \
                 max(0, step.iteration - 1 - self.cfg.run.max_staleness)
             wait_for_checkpoint(self, need)
-        return {}
+        return self.ready(step) if self.plan.resident_trainer and self.kind.trains else {}
 
     def decide0(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
-        if v.decision != "continue" or self.kind.waits_for != "checkpoint":
+        if v.decision != "continue":
             return v
-        latest = read_latest(self.layout, run_id=self.node.run_id)
-        chosen = latest[0] if latest else 0
-        if self.kind.policy == "previous":
-            chosen = step.iteration - 1  # evaluate exactly the checkpoint of the previous iteration
-        return Verdict("continue", payload=SyncGo(policy_iteration=chosen).to_dict())
+        go = SyncGo()
+        if self.kind.waits_for == "checkpoint":
+            latest = read_latest(self.layout, run_id=self.node.run_id)
+            chosen = latest[0] if latest else 0
+            if self.kind.policy == "previous":
+                chosen = step.iteration - 1  # evaluate exactly the checkpoint of the previous iteration
+            go = SyncGo(policy_iteration=chosen)
+        if (self.plan.resident_trainer and self.plan.runs(PhaseId.TRAIN, step.iteration)
+                and self._common_launch(arrivals) is None and not self.already_trained(step.iteration)):
+            go = SyncGo(go.policy_iteration, trainer=self.rendezvous(step.iteration, 1, early=True))
+        return Verdict("continue", payload=go.to_dict())
+
+    def start_trainer_early(self, step: Step) -> None:
+        """On every node, at its first action after phase 0's GO named an early rendezvous: launch the
+        resident trainer now, so that torchrun, the imports and the rendezvous (and, where the trainer
+        takes no accelerator memory the engine needs, the model load) overlap the rollouts instead
+        of opening phase 10 (docs/design.md §9.6). Phase 9 decides as always: every node reuses this
+        launch only if all of them report it alive, else all launch anew. A GO decided before this
+        process joined (it restarted mid-iteration) launches nothing."""
+        go = step.gos.get(PhaseId.SYNC)
+        rdzv = SyncGo.of(step).trainer if go is not None else None
+        if not rdzv or Rendezvous.from_dict(rdzv).rdzv_id in self._early_launches:
+            return
+        rdzv = Rendezvous.from_dict(rdzv)
+        self._early_launches.add(rdzv.rdzv_id)
+        if (go.arrivals.get(str(self.node.rank)) or {}).get("generation") != self.node.generation:
+            return
+        if self.trainer is None:
+            self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
+        cmd, env = self.torchrun(step, rdzv)
+        try:
+            self.trainer.launch(cmd, env, rdzv.rdzv_id)
+        except OSError as exc:
+            log.warning("could not launch the resident trainer early (%s); phase 10 launches it", exc)
+            return
+        if self.trainer_may_load_early():
+            from train.data import model_inputs  # pyarrow: see roll_out
+
+            it, path = self.policy(step.iteration - 1)
+            self.trainer.order(prepare=model_inputs(self.cfg.train, iteration=step.iteration, input_checkpoint=path,
+                                                    input_iteration=it, world_size=self.train_world_size))
+
+    def trainer_may_load_early(self) -> bool:
+        """Whether an early trainer may load its model while the engine serves: only where it takes
+        no accelerator memory the engine needs (a job without an engine, or a node without a GPU).
+        Else it loads at its first order, after phase 7 stopped or slept the engine."""
+        return not self.kind.serves or not gpu_visible()
+
+    @property
+    def train_world_size(self) -> int:
+        return self.args.num_nodes * self.cfg.train.nproc_per_node
 
     def decide_eval_choice(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
@@ -258,17 +306,18 @@ class RLJob:
             return {"skipped": "checkpoint already published"}
         it, path = self.policy(step.iteration - 1)
         plan = prepare_training_data(self.layout, step.iteration, self.cfg.train, run_id=self.node.run_id,
-                                     world_size=self.args.num_nodes * self.cfg.train.nproc_per_node,
+                                     world_size=self.train_world_size,
                                      temperature=self.cfg.rollout.temperature, input_checkpoint=path,
                                      input_iteration=it)
         return {"plan": str(plan)}
 
-    def rendezvous(self, iteration: int, attempt: int) -> dict:
-        """Where torchrun's agents meet for one attempt: a fresh port and rendezvous id each time
-        (a Rendezvous record, as a GO payload)."""
+    def rendezvous(self, iteration: int, attempt: int, *, early: bool = False) -> dict:
+        """Where torchrun's agents meet for one attempt (or, `early`, for the launch at phase 0): a
+        fresh port and rendezvous id each time (a Rendezvous record, as a GO payload)."""
         addr = read_master(self.node.job, self.node.run_id)["addr"]
+        name = "early" if early else f"a{attempt}"
         return Rendezvous(addr=addr, port=free_port(addr), attempt=attempt,
-                          rdzv_id=f"{self.node.run_id}-{self.node.job.name}-i{iteration}-a{attempt}").to_dict()
+                          rdzv_id=f"{self.node.run_id}-{self.node.job.name}-i{iteration}-{name}").to_dict()
 
     def ready(self, step: Step) -> dict:
         """Phase 9 arrival: the launch this node's resident trainer serves, if one is alive."""
@@ -279,13 +328,20 @@ class RLJob:
         if v.decision != "continue":
             return v
         if self.plan.resident_trainer:
-            launches = {TrainerReady.from_dict(a.payload).trainer for a in arrivals.values()}
-            if len(launches) == 1 and None not in launches and len(arrivals) == self.args.num_nodes:
+            launch = self._common_launch(arrivals)
+            if launch is not None:
                 # Every node's trainer is alive and of one launch: they keep serving.
-                return Verdict("continue", payload=Rendezvous(reuse=launches.pop()).to_dict())
+                return Verdict("continue", payload=Rendezvous(reuse=launch).to_dict())
         # A fresh rendezvous: the first training of this process, or a node without its trainer
         # (restarted, or its trainer died), so every node launches anew.
         return Verdict("continue", payload=self.rendezvous(step.iteration, 1))
+
+    def _common_launch(self, arrivals: dict[int, Arrival]) -> str | None:
+        """The launch every node's arrival (TrainerReady) names as its live trainer, if they agree."""
+        launches = {TrainerReady.from_dict(a.payload).trainer for a in arrivals.values()}
+        if len(launches) == 1 and None not in launches and len(arrivals) == self.args.num_nodes:
+            return launches.pop()
+        return None
 
     def _attempt_failed_elsewhere(self, step: Step) -> str | None:
         """An error another rank already reported for this attempt. A torchrun attempt needs every
@@ -367,7 +423,7 @@ class RLJob:
             cmd, env = self.torchrun(step, rdzv)
             self.node.say(f"launching the resident trainer ({rdzv.rdzv_id})", beat=True)
             self.trainer.launch(cmd, env, rdzv.rdzv_id)
-        world = self.args.num_nodes * self.cfg.train.nproc_per_node
+        world = self.train_world_size
         self.trainer.order(iteration=step.iteration, attempt=step.attempt,
                            plan=str(self.layout.training_plan(step.iteration)),
                            offload=self.cfg.train.offload_between_iterations and self.kind.serves)
@@ -465,10 +521,18 @@ class RLJob:
         return [self._when(table[n]) for n in self.kind.phases]
 
     def _when(self, phase: Phase) -> Phase:
-        """`phase`, running in the iterations its RUNS_WHEN condition names."""
+        """`phase`, running in the iterations its RUNS_WHEN condition names; every action after
+        phase 0 first launches the trainer early if phase 0's GO asked for it (once)."""
         number = phase.spec.number
         if number in RUNS_WHEN:
             phase.enabled = lambda s: self.plan.runs(number, s.iteration)
+        if phase.action is not None and number != PhaseId.SYNC:
+            action = phase.action
+
+            def act(step: Step, action=action):
+                self.start_trainer_early(step)
+                return action(step)
+            phase.action = act
         return phase
 
     def aggregate_train(self, step: Step) -> dict:

@@ -128,10 +128,11 @@ def dry_run(args, cfg) -> int:
                                 is_host=args.is_master, local_addr=addr if args.is_master else "THIS_NODE_ADDR")
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
-        echo("    (PORT and the rendezvous id are chosen by the master at phase 9 and sent in its GO)")
+        echo("    (PORT and the rendezvous id are chosen by the master and sent in a GO: phase 0's for a resident "
+                 "trainer's first launch, else phase 9's)")
         if plan.resident_trainer:
-            echo("    (train.resident: launched once and kept across iterations; each iteration's plan reaches it "
-                 "as an order record, docs/design.md §9.6)")
+            echo("    (train.resident: launched once, at phase 0 so that it starts during the rollouts, and kept "
+                 "across iterations; each iteration's plan reaches it as an order record, docs/design.md §9.6)")
         if args.bench is not None:
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
     memory_plan(args, cfg)

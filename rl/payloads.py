@@ -35,9 +35,12 @@ class Record:
 
 @dataclass(frozen=True)
 class SyncGo(Record):
-    """Phase 0 GO of a job that waits for checkpoints: the policy every rank samples from."""
+    """Phase 0 GO: for a job that waits for checkpoints, the policy every rank samples from; with
+    resident trainers and none alive on every node, `trainer`, the Rendezvous (as a dict) where
+    every node launches its trainer now, so that it loads during the rollouts (docs/design.md §9.6)."""
     phase: ClassVar[PhaseId] = PhaseId.SYNC
     policy_iteration: int | None = None
+    trainer: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Rendezvous(Record):
 
 @dataclass(frozen=True)
 class TrainerReady(Record):
-    """Phase 9 arrival: the launch of this node's resident trainer, if one is alive."""
+    """Phase 0 and phase 9 arrival: the launch of this node's resident trainer, if one is alive."""
     phase: ClassVar[PhaseId] = PhaseId.TRAINING_READY
     trainer: str | None = None
 

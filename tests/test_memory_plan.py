@@ -143,3 +143,18 @@ def test_trainer_without_checkpointing_beside_a_sleeping_engine_is_refused_with_
     assert "train.ac.freq=1 train.ac.mode=full (trainer 32.4 + engine 2.0 GiB)" in msg
     assert "between_iterations=restart" not in msg  # the trainer alone does not fit either
     assert check_memory(cfg, "update", 1) is None     # pipelined: the engine runs on other nodes
+
+
+def test_gpu_visible_needs_device_files_and_a_non_empty_cuda_visible_devices(monkeypatch):
+    from train.memory_plan import gpu_visible
+
+    real_exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p: str(p) == "/dev/nvidiactl" or real_exists(p))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not gpu_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert gpu_visible()
+    monkeypatch.setattr(Path, "exists", lambda p: str(p) not in ("/dev/nvidiactl", "/dev/kfd") and real_exists(p))
+    assert not gpu_visible()

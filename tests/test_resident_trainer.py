@@ -148,8 +148,18 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
         assert set(wa) == set(wb)
         for k in wa:
             _close(wa[k], wb[k], 4096)
+        job = runs["true"].job("both")
         for r in (0, 1):
-            assert "launched the resident trainer" in (runs["true"].job("both").log_file(r, "driver")).read_text()
+            driver_log = job.log_file(r, "driver").read_text()
+            # launched once, at phase 0 of iteration 1, and loaded during the rollouts: its first order
+            # names the plan's model inputs, and phase 10 launched nothing
+            assert driver_log.count("launched the resident trainer") == 1, driver_log
+            launch = next(p.name for p in job.trainer_dir(r).iterdir() if p.is_dir())
+            assert launch.endswith("-i1-early"), launch
+            first = try_read(job.trainer_order(r, launch, 1), kind="trainer-order").data
+            assert first["prepare"]["input_iteration"] == 0 and first["prepare"]["world_size"] == 2
+            assert try_read(job.trainer_order(r, launch, 2), kind="trainer-order").data["iteration"] == 1
+            assert "iteration 1 continues the model it holds (input iteration 0)" in job.log_file(r, "trainer").read_text()
             assert [s["state"] for s in _trainer_states(runs["true"], r)] == ["stopped"]
         assert _kill_trainers_left(_all_trainer_pids(runs["true"], 3)) == []
     finally:
@@ -158,7 +168,7 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["rollout", "mid-step", "idle", "trainer-only"])
+@pytest.mark.parametrize("moment", ["early", "rollout", "mid-step", "idle", "trainer-only"])
 def test_kill_9_and_restart_with_the_same_command(procs, tmp_path, assets, moment):
     """kill -9 of the worker node (driver and its trainer) at a moment, or of its trainer alone;
     the same command restarts the node; the run ends with exact counts, continuous optimizer
@@ -173,7 +183,11 @@ def test_kill_9_and_restart_with_the_same_command(procs, tmp_path, assets, momen
     procs.start("n1", w_cmd)
     seen: set[int] = set()
     try:
-        if moment == "rollout":  # phase 1 of iteration 2: the trainers idle (offloaded) since iteration 1
+        if moment == "early":  # iteration 1, once the trainer launched at phase 0 runs, before it trained
+            _wait(lambda: any(s["launch"].endswith("-i1-early") for s in _trainer_states(lay, 1)),
+                  "the early trainer", procs)
+            assert try_read(lay.training_result(1, 1, 0)) is None, "too late: iteration 1 already trained"
+        elif moment == "rollout":  # phase 1 of iteration 2: the trainers idle (offloaded) since iteration 1
             chunks = lay.rollout_rank_dir("train", 2, 1)
             _wait(lambda: chunks.exists() and any(p.suffix == ".parquet" for p in chunks.iterdir()), "a chunk", procs)
         elif moment == "idle":  # after iteration 1's training, before iteration 2 rolls out

@@ -18,6 +18,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"resident": "train.resident=true", "restart": "train.resident=false"}
+REWARD = "train.bench_iteration:digit_share"
+
+
+def digit_share(task, completion_text: str, finish_reason: str) -> float:
+    """The benchmark's reward: the share of digits in the completion. The untrained tiny model
+    never answers a task right, so the arithmetic reward would give every group zero advantage
+    and the iterations nothing to train; this dense reward varies within every group, so each
+    iteration trains all its optimizer steps."""
+    return sum(c.isdigit() for c in completion_text) / len(completion_text) if completion_text else 0.0
 
 
 def _assets(root: Path) -> tuple[Path, Path]:
@@ -49,6 +58,15 @@ def phase_seconds(log_path: Path) -> dict[int, list[float]]:
     return out
 
 
+def trained_steps(log_path: Path, iterations: int) -> list[int]:
+    """Optimizer steps in each iteration's training plan."""
+    from coordination.layout import RunLayout
+    from coordination.records import read_record
+
+    layout = RunLayout(log_path)
+    return [len(read_record(layout.training_plan(i)).data["steps"]) for i in range(1, iterations + 1)]
+
+
 def run_once(root: Path, data: Path, model: Path, mode: str, opts: dict[str, Any], name: str) -> dict[str, Any]:
     """One whole `scripts/run.sh --master` run; its wall time and per-phase medians."""
     log_path = root / name
@@ -56,7 +74,8 @@ def run_once(root: Path, data: Path, model: Path, mode: str, opts: dict[str, Any
     cmd = ["bash", str(REPO / "scripts" / "run.sh"), "--master", "--rl-phase", "both", "--eval-interval", "0", "--data-path", str(data), "--log-path",
            str(log_path), f"model.path={model}", MODES[mode], f"run.max_iterations={opts['iterations']}",
            f"tasks.tasks_per_iteration={opts['prompts']}", f"rollout.group_size={opts['samples']}",
-           f"train.steps_per_iteration={opts['steps']}", "rollout.max_new_tokens=6", "logging.wandb.mode=disabled"]
+           f"train.steps_per_iteration={opts['steps']}", "rollout.max_new_tokens=6", "logging.wandb.mode=disabled",
+           f"tasks.reward={REWARD}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(opts["threads"])}
     started = time.monotonic()
     res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=opts["timeout"],
@@ -66,6 +85,10 @@ def run_once(root: Path, data: Path, model: Path, mode: str, opts: dict[str, Any
         tail = res.stdout.decode(errors="replace").splitlines()[-25:]
         raise RuntimeError(f"{mode} run exited {res.returncode} ({log_path}):\n" + "\n".join(tail))
     phases = phase_seconds(log_path)
+    steps = trained_steps(log_path, opts["iterations"])
+    if any(n != opts["steps"] for n in steps):
+        raise RuntimeError(f"{mode} run trained {steps} optimizer steps per iteration, not {opts['steps']} "
+                           f"({log_path}): the measurement would not be of the work it names")
     return {"wall_s": wall, "phase_median_s": {p: statistics.median(v) for p, v in phases.items()},
             "phase10_s": phases.get(10, [])}
 

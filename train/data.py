@@ -114,6 +114,17 @@ def _plan_steps(rows: dict[str, list], kept: list[tuple[int, float]], cfg: Train
     return steps, shard_rows
 
 
+def model_inputs(cfg: TrainConfig, *, iteration: int, world_size: int, input_checkpoint: Path, input_iteration: int,
+                 reference_model: Path | None = None) -> dict[str, Any]:
+    """The part of an iteration's plan that says what the trainer loads (train.trainer.load_held):
+    its input checkpoint, reference model, seed, world size and `train` config. A resident trainer
+    launched early gets exactly this before the plan exists (docs/design.md §9.6), so what it
+    loads is what the plan would have made it load."""
+    return {"iteration": iteration, "input_checkpoint": str(input_checkpoint), "input_iteration": int(input_iteration),
+            "reference_model": str(reference_model) if reference_model is not None else None,
+            "world_size": world_size, "seed": cfg.seed, "config": to_dict(cfg)}
+
+
 def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *, run_id: str, world_size: int,
                           temperature: float, input_checkpoint: Path, input_iteration: int,
                           reference_model: Path | None = None, generation: int = 0) -> Path:
@@ -153,11 +164,10 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
 
     rewards = np.asarray(rows["reward"], dtype=np.float64)
     plan = {
-        "run_id": run_id, "iteration": iteration, "algorithm": cfg.algorithm,
-        "input_checkpoint": str(input_checkpoint), "input_iteration": int(input_iteration),
-        "reference_model": str(reference_model) if reference_model is not None else None,
-        "world_size": world_size, "temperature": float(temperature), "seed": cfg.seed,
-        "config": to_dict(cfg), "steps": steps, "shards": shards,
+        "run_id": run_id, "algorithm": cfg.algorithm, "temperature": float(temperature),
+        **model_inputs(cfg, iteration=iteration, world_size=world_size, input_checkpoint=input_checkpoint,
+                       input_iteration=input_iteration, reference_model=reference_model),
+        "steps": steps, "shards": shards,
         "zero_steps_reason": None if steps else (
             "every group has zero advantage (all samples of each task got the same reward)"
             if cfg.algorithm == "grpo" else f"no sample reached train.rft_min_reward={cfg.rft_min_reward}"),

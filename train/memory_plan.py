@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -298,10 +299,19 @@ def engine_on_gpu(cfg: Any, debug_mode: bool = False) -> bool:
     return inf.engine == "vllm" and not inf.vllm.cpu and not (debug_mode and inf.vllm.debug_url)
 
 
+def gpu_visible() -> bool:
+    """Whether this node has an NVIDIA or AMD GPU that its processes may use (device files, and no
+    empty CUDA_VISIBLE_DEVICES), asked without torch: a CUDA context in the driver would hold memory
+    on GPU 0 for the whole run."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    return Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists()
+
+
 def detect_gpu_memory_gib() -> float | None:
-    """Memory of this node's GPU 0, asked in a child process: a CUDA context in the driver would hold
-    memory on GPU 0 for the whole run. None when the node has no NVIDIA or AMD GPU."""
-    if not (Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists()):
+    """Memory of this node's GPU 0, asked in a child process (see gpu_visible). None when the node
+    has no NVIDIA or AMD GPU."""
+    if not gpu_visible():
         return None
     code = ("import torch\nprint(torch.cuda.get_device_properties(0).total_memory "
             "if torch.cuda.is_available() else 0)")

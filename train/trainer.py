@@ -215,8 +215,8 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
     Returns the exit code: 0 after a stop order, 1 after a failed iteration (its result record
     says why), 2 on a plan that cannot be used, 4 when its driver is gone or its node was taken over."""
     from train.data import read_plan
-    from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
-    from train.offload import ResidentOffload, device_memory_mb
+    from train.distributed import shutdown
+    from train.offload import device_memory_mb
 
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     log.setup(f"train rank{rank}")
@@ -238,23 +238,30 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                 _log.info("resident trainer %s: stop ordered after %d orders", launch, box.seq - 1)
                 box.say("stopped")
                 return 0
+            prepare = order.get("prepare")
+            if prepare:
+                # Launched early (during the rollouts): load what the coming plan names, then wait.
+                # A failure here writes no result: the driver notices the exit at phase 9 and
+                # launches afresh, and that launch reports it.
+                info = _process_group(info, prepare, "the early load")
+                box.say("loading", iteration=int(prepare["iteration"]))
+                held = None
+                held = _load_resident(prepare, info)
+                box.say("idle", device_memory_mb=device_memory_mb(info.device))
+                continue
             iteration, attempt = int(order["iteration"]), int(order["attempt"])
             plan_path = Path(order["plan"])
             plan = read_plan(plan_path, run_id=run_id)
-            if launched_world_size() != plan["world_size"]:
-                raise ValueError(f"the plan {plan_path} was made for {plan['world_size']} trainer processes but "
-                                 f"{launched_world_size()} were launched")
-            if info is None:
-                info = init_distributed(float(plan["config"]["collective_timeout"]),
-                                        cpu_offload=offloads_to_cpu(plan["config"]))
+            info = _process_group(info, plan, f"the plan {plan_path}")
             if held is None or held.config != plan["config"] or held.iteration != int(plan["input_iteration"]):
                 # First order, or a plan that does not continue what this process holds: build from
                 # the plan's input checkpoint and optimizer state (the durable state).
                 box.say("loading", iteration=iteration)
                 held = None
-                held = load_held(plan, from_dict(TrainConfig, plan["config"]), info)
-                held.offload = ResidentOffload([held.t.model, held.reference], held.t.optimizer, info.device)
+                held = _load_resident(plan, info)
             else:
+                _log.info("resident trainer %s: iteration %d continues the model it holds (input iteration %d)",
+                          launch, iteration, held.iteration)
                 held.offload.to_device()
             box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
             train_iteration(held, plan, layout, iteration, attempt, info)
@@ -280,6 +287,28 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
     finally:
         if info is not None:
             shutdown()
+
+
+def _load_resident(inputs: dict[str, Any], info) -> Held:
+    """Collective: load_held for a resident trainer, with the offload that can move it to host memory."""
+    from train.offload import ResidentOffload
+
+    held = load_held(inputs, from_dict(TrainConfig, inputs["config"]), info)
+    held.offload = ResidentOffload([held.t.model, held.reference], held.t.optimizer, info.device)
+    return held
+
+
+def _process_group(info, inputs: dict[str, Any], what: str):
+    """`info`, or the process group a plan (or an early load's inputs) needs: its collective timeout
+    and CPU-offload need come from its `train` config. Refuses inputs made for another world size."""
+    from train.distributed import init_distributed, launched_world_size, offloads_to_cpu
+
+    if launched_world_size() != inputs["world_size"]:
+        raise ValueError(f"{what} was made for {inputs['world_size']} trainer processes but "
+                         f"{launched_world_size()} were launched")
+    if info is not None:
+        return info
+    return init_distributed(float(inputs["config"]["collective_timeout"]), cpu_offload=offloads_to_cpu(inputs["config"]))
 
 
 def _explained(exc: Exception) -> bool:
