@@ -378,6 +378,10 @@ class JobLayout:
     def timeline(self, rank: int) -> Path:
         return self.run.timeline_dir / f"{self.name}-rank-{rank}.jsonl"
 
+    def trainer_timeline(self, rank: int) -> Path:
+        """The state changes of node `rank`'s resident trainer (written by its local rank 0)."""
+        return self.run.timeline_dir / "trainer" / f"{self.name}-rank-{rank}.jsonl"
+
     def logs_dir(self, rank: int) -> Path:
         return self.run.root / "logs" / self.name / f"rank-{rank}"
 

@@ -56,6 +56,30 @@ def load_spans(layout: RunLayout) -> list[dict[str, Any]]:
     return spans
 
 
+# The states of a resident trainer drawn in its lane (idle and stopped leave the lane empty).
+TRAINER_STYLE = {"loading": dict(facecolor="tab:pink"), "training": dict(facecolor="tab:purple"),
+                 "offloaded": dict(facecolor="0.85", hatch="///", edgecolor="0.5")}
+
+
+def load_trainer_spans(layout: RunLayout, end: float | None = None) -> list[dict[str, Any]]:
+    """(job, rank, state, iteration, start, end) of each node's resident trainer, from the state
+    changes its local rank 0 appended to `timeline/trainer/` (docs/design.md §9.6). A state lasts
+    until the next one; the last lasts until `end` (the end of the run's phases), else it is dropped."""
+    folder = layout.timeline_dir / "trainer"
+    spans = []
+    if not folder.is_dir():
+        return spans
+    for path in sorted(folder.glob("*-rank-*.jsonl")):
+        events = sorted((e for e in timeline.read(path) if isinstance(e.get("wall"), (int, float))),
+                        key=lambda e: e["wall"])
+        for ev, nxt in zip(events, [*events[1:], None]):
+            stop = nxt["wall"] if nxt is not None else end
+            if ev.get("event") in TRAINER_STYLE and stop is not None and stop > ev["wall"]:
+                spans.append({"job": ev.get("job"), "rank": ev.get("rank"), "state": ev["event"],
+                              "iteration": ev.get("iteration"), "start": ev["wall"], "end": stop})
+    return spans
+
+
 def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(m["iteration"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -142,11 +166,16 @@ GROUP_STYLE = {"coordination": dict(color="tab:orange", alpha=0.95),
 WORK_COLORS = {1: "tab:blue", 5: "tab:green", 10: "tab:purple"}
 
 
-def plot_timeline(spans: list[dict], out: Path) -> Path:
+def plot_timeline(spans: list[dict], out: Path, trainer_spans: list[dict] | None = None) -> Path:
+    """Phases per rank over time, each node's resident trainer in a lane under it, and each
+    iteration's split into work, coordination and waiting."""
     from matplotlib.patches import Patch
 
     plt = _plt()
-    lanes = sorted({(s["job"], s["rank"]) for s in spans}, key=lambda k: (JOBS.index(k[0]), k[1]))
+    trainer_spans = trainer_spans or []
+    lanes = sorted({(s["job"], s["rank"], "") for s in spans}
+                   | {(s["job"], s["rank"], "trainer") for s in trainer_spans if s["job"] in JOBS},
+                   key=lambda k: (JOBS.index(k[0]), k[1], k[2]))
     fig, (ax, share_ax) = plt.subplots(2, 1, figsize=(11, 3.6 + 0.45 * max(1, len(lanes))), dpi=110,
                                        gridspec_kw={"height_ratios": [max(2, len(lanes)), 2]})
     ax.set_title("Phases per rank over time")
@@ -155,12 +184,16 @@ def plot_timeline(spans: list[dict], out: Path) -> Path:
         t0 = min(s["start"] for s in spans)
         for lane, key in enumerate(lanes):
             for s in spans:
-                if (s["job"], s["rank"]) != key:
+                if (s["job"], s["rank"], "") != key:
                     continue
                 group = span_group(s)
                 style = dict(GROUP_STYLE[group]) if group != "work" else dict(color=WORK_COLORS[s["phase"]])
                 ax.barh(lane, max(s["end"] - s["start"], 1e-3), left=s["start"] - t0, height=0.7,
                         edgecolor="none", **style)
+            for s in trainer_spans:
+                if (s["job"], s["rank"], "trainer") == key:
+                    ax.barh(lane, max(s["end"] - s["start"], 1e-3), left=s["start"] - t0, height=0.5,
+                            **{"edgecolor": "none", **TRAINER_STYLE[s["state"]]})
         starts: dict[int, float] = {}
         for s in spans:
             starts[s["iteration"]] = min(starts.get(s["iteration"], s["start"]), s["start"])
@@ -168,12 +201,14 @@ def plot_timeline(spans: list[dict], out: Path) -> Path:
         for it, t in sorted(starts.items()):
             ax.axvline(t - t0, color="black", lw=0.6, ls="--", alpha=0.5)
             ax.text(t - t0, 0.98, f" it {it}", fontsize=7, va="top", transform=label_at)
-        ax.set_yticks(range(len(lanes)), [f"{j} rank {r}" for j, r in lanes])
+        ax.set_yticks(range(len(lanes)), [f"{j} rank {r}" + (f" {t}" if t else "") for j, r, t in lanes])
         ax.set_ylim(len(lanes) - 0.4, -0.9)   # room under the top edge for the iteration labels
     handles = [Patch(color=WORK_COLORS[p], label=f"work: {name}") for p, name in WORK_PHASES.items()]
     handles += [Patch(label="coordination: the other phases",
                       **GROUP_STYLE["coordination"]),
                 Patch(label="waiting at a barrier for the other ranks", **GROUP_STYLE["waiting"])]
+    if trainer_spans:
+        handles += [Patch(label=f"resident trainer: {state}", **style) for state, style in TRAINER_STYLE.items()]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_xlabel("seconds since the first phase started")
 
@@ -301,7 +336,8 @@ def make_report(log_path: Path, out: Path | None = None) -> dict[str, Any]:
     ensure_dir(out)
     metrics = load_metrics(layout)
     spans = load_spans(layout)
-    pngs = [plot_learning(metrics, out), plot_timeline(spans, out), plot_throughput(metrics, out),
+    trainer_spans = load_trainer_spans(layout, end=max((s["end"] for s in spans), default=None))
+    pngs = [plot_learning(metrics, out), plot_timeline(spans, out, trainer_spans), plot_throughput(metrics, out),
             plot_loss(metrics, out)]
     md = write_summary(layout, metrics, pngs, out)
     return {"out": str(out), "summary": str(md), "pngs": [str(p) for p in pngs], "rows": summary_rows(metrics),

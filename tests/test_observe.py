@@ -73,6 +73,31 @@ def test_timeline_splits_each_iteration_into_work_coordination_and_waiting(tmp_p
         assert split["coordination_share"] == pytest.approx(0.2)
 
 
+def test_the_resident_trainer_gets_a_lane_of_its_states_under_its_node(tmp_path):
+    """State changes from the trainer's timeline become spans (a state lasts until the next one; the
+    last until the run's phases end); idle is not drawn; the timeline gains one lane per trainer."""
+    import matplotlib.image as mpimg
+
+    from coordination.report import load_spans, load_trainer_spans, plot_timeline
+
+    lay = _fixture_metrics(tmp_path / "run")
+    t0 = 1_700_000_000.0
+    for state, at, it in (("idle", 0.5, None), ("loading", 0.6, 1), ("idle", 2.0, None), ("training", 3.5, 1),
+                          ("offloaded", 4.0, 1), ("training", 33.5, 2), ("offloaded", 34.0, 2)):
+        timeline.append(lay.job("both").trainer_timeline(0), {"job": "both", "rank": 0, "launch": "L", "event": state,
+                                                            "iteration": it, "wall": t0 + at})
+    spans = load_spans(lay)
+    end = max(s["end"] for s in spans)
+    got = load_trainer_spans(lay, end=end)
+    assert [(s["state"], s["iteration"], round(s["start"] - t0, 3), round(s["end"] - t0, 3)) for s in got] == [
+        ("loading", 1, 0.6, 2.0), ("training", 1, 3.5, 4.0), ("offloaded", 1, 4.0, 33.5),
+        ("training", 2, 33.5, 34.0), ("offloaded", 2, 34.0, round(end - t0, 3))]
+    assert [s["state"] for s in load_trainer_spans(lay)][-1] == "training"  # no end: the open state is left out
+    with_lane = mpimg.imread(plot_timeline(spans, tmp_path / "a", got))
+    without = mpimg.imread(plot_timeline(spans, tmp_path / "b"))
+    assert with_lane.shape[0] > without.shape[0]   # one more lane: the figure grows with its lanes
+
+
 def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

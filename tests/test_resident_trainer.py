@@ -161,6 +161,12 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
             assert try_read(job.trainer_order(r, launch, 2), kind="trainer-order").data["iteration"] == 1
             assert "iteration 1 continues the model it holds (input iteration 0)" in job.log_file(r, "trainer").read_text()
             assert [s["state"] for s in _trainer_states(runs["true"], r)] == ["stopped"]
+        # the report's trainer lanes: each node's trainer loaded once and trained each iteration
+        from coordination.report import load_trainer_spans
+        lanes = load_trainer_spans(runs["true"], end=float("inf"))
+        for r in (0, 1):
+            mine = [(s["state"], s["iteration"]) for s in lanes if s["rank"] == r and s["state"] != "offloaded"]
+            assert mine == [("loading", 1), ("training", 1), ("training", 2), ("training", 3)], mine
         assert _kill_trainers_left(_all_trainer_pids(runs["true"], 3)) == []
     finally:
         for lay in runs.values():

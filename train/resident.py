@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from coordination.children import ChildFailed, check_node_and_peers, exited
 from coordination.claims import process_start
+from coordination import timeline
 from coordination.clock import Backoff
 from coordination.layout import JobLayout
 from coordination.procgroup import die_with_parent, stop_group
@@ -160,13 +161,23 @@ class Mailbox:
 
     def say(self, state: str, *, iteration: int | None = None, device_memory_mb: float | None = None,
             **extra: Any) -> None:
+        """Publish this process's state; local rank 0 also adds it to the node's trainer timeline
+        (the trainer lane of `report`'s timeline.png)."""
         path = self.job.trainer_state(self.node_rank, self.local_rank)
         ensure_dir(path.parent)
+        now = time.time()
         publish_record(path, STATE_KIND,
                        {"pid": os.getpid(), "launch": self.launch, "state": state, "iteration": iteration,
                         "device_memory_mb": device_memory_mb, "rank": int(os.environ.get("RANK", "0")),
-                        "time": time.time(), **extra},
+                        "time": now, **extra},
                        run_id=self.run_id, generation=0, durable=False)
+        if self.local_rank == 0:
+            try:
+                timeline.append(self.job.trainer_timeline(self.node_rank), {
+                    "job": self.job.name, "rank": self.node_rank, "launch": self.launch, "event": state,
+                    "iteration": iteration, "device_memory_mb": device_memory_mb, "wall": now})
+            except OSError as exc:  # observers' data: a full disk here must not fail a training step
+                log.warning("could not add to the trainer timeline: %s", exc)
 
 
 def watch_driver(on_gone: Callable[[str], None], every: float = 1.0) -> threading.Thread | None:
