@@ -234,10 +234,10 @@ class RLJob:
         launch only if all of them report it alive, else all launch anew. A GO decided before this
         process joined (it restarted mid-iteration) launches nothing."""
         go = step.gos.get(PhaseId.SYNC)
-        rdzv = SyncGo.of(step).trainer if go is not None else None
-        if not rdzv or Rendezvous.from_dict(rdzv).rdzv_id in self._early_launches:
+        asked = SyncGo.of(step).trainer if go is not None else None
+        rdzv = Rendezvous.from_dict(asked) if asked else None
+        if rdzv is None or rdzv.rdzv_id in self._early_launches:
             return
-        rdzv = Rendezvous.from_dict(rdzv)
         self._early_launches.add(rdzv.rdzv_id)
         if (go.arrivals.get(str(self.node.rank)) or {}).get("generation") != self.node.generation:
             return
