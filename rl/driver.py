@@ -233,13 +233,13 @@ class RLJob:
         of opening phase 10 (docs/design.md §9.6). Phase 9 decides as always: every node reuses this
         launch only if all of them report it alive, else all launch anew. A GO decided before this
         process joined (it restarted mid-iteration) launches nothing."""
-        go = step.gos.get(PhaseId.SYNC)
-        asked = SyncGo.of(step).trainer if go is not None else None
+        asked = SyncGo.of(step).trainer
         rdzv = Rendezvous.from_dict(asked) if asked else None
         if rdzv is None or rdzv.rdzv_id in self._early_launches:
             return
         self._early_launches.add(rdzv.rdzv_id)
-        if (go.arrivals.get(str(self.node.rank)) or {}).get("generation") != self.node.generation:
+        mine = step.gos[PhaseId.SYNC].arrivals.get(str(self.node.rank)) or {}
+        if mine.get("generation") != self.node.generation:
             return
         if self.trainer is None:
             self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
@@ -320,7 +320,7 @@ class RLJob:
                           rdzv_id=f"{self.node.run_id}-{self.node.job.name}-i{iteration}-{name}").to_dict()
 
     def ready(self, step: Step) -> dict:
-        """Phase 9 arrival: the launch this node's resident trainer serves, if one is alive."""
+        """Phase 0 and phase 9 arrival: the launch this node's resident trainer serves, if one is alive."""
         return TrainerReady(self.trainer.alive() if self.trainer is not None else None).to_dict()
 
     def decide_ready(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from coordination import timeline
 from coordination.children import ChildFailed, check_node_and_peers, exited
 from coordination.claims import process_start
-from coordination import timeline
 from coordination.clock import Backoff
 from coordination.layout import JobLayout
 from coordination.procgroup import die_with_parent, stop_group
