@@ -46,6 +46,7 @@ setsid scripts/run.sh "${common[@]}" --master >"$work/node-0.log" 2>&1 &
 master=$!
 setsid scripts/run.sh "${common[@]}" --worker 1 >"$work/node-1.log" 2>&1 &
 worker=$!
+echo "$master $worker" >"$work/nodes.pgid"   # the nodes' process groups (setsid), for whoever must stop them
 # One line per finished iteration while the nodes run, from the master's console.
 tail -n +1 -F --pid="$master" "$work/node-0.log" 2>/dev/null \
   | grep --line-buffered -E "iteration [0-9]+ done in" | sed -u 's/.*baton\.driver: /   /' &
