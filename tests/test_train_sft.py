@@ -97,3 +97,15 @@ def test_sft_on_two_nodes_evaluates_in_lockstep_and_stops_on_the_target(base, ta
     assert state["optimizer_step"] == 5 and state["world_size"] == 2
     assert ts.optimizer_files(out) == ts.DCP_SHARDS_2
     AutoModelForCausalLM.from_pretrained(str(out))
+
+
+def test_evals_come_every_eval_every_steps_and_finer_while_the_latest_is_a_quarter_of_the_target():
+    from train.sft import eval_due
+
+    opts = {"steps": 100, "eval_every": 25, "eval_every_near": 5, "target_accuracy": 0.4}
+    due = [s for s in range(1, 101) if eval_due(s, 0.02, opts)]
+    assert due == [25, 50, 75, 100]  # 2% is below a quarter of 40%: the regular interval
+    assert [s for s in range(51, 71) if eval_due(s, 0.10, opts)] == [55, 60, 65, 70]  # 10% = a quarter
+    assert [s for s in range(1, 30) if eval_due(s, None, opts)] == [25]  # before the first eval
+    no_target = dict(opts, target_accuracy=None)
+    assert [s for s in range(1, 60) if eval_due(s, 0.9, no_target)] == [25, 50]

@@ -44,6 +44,18 @@ def _batches(n: int, batch_size: int, seed: int):
         pool = pool[batch_size:]
 
 
+def eval_due(step: int, accuracy: float | None, opts: dict) -> bool:
+    """Whether to evaluate after `step`: every --eval-every steps and at the last step; while the
+    latest eval (`accuracy`) is at least a quarter of --target-accuracy, every --eval-every-near
+    steps, because accuracy can jump from a few percent past the target within 25 steps and a
+    finer stop lands nearer it."""
+    if step == opts["steps"]:
+        return True
+    target = opts["target_accuracy"]
+    near = target is not None and accuracy is not None and accuracy >= target / 4
+    return step % (min(opts["eval_every"], opts["eval_every_near"]) if near else opts["eval_every"]) == 0
+
+
 def _micro_batches(examples, batch: list[int], info, budget: int, pad_id: int):
     """This rank's micro-batches of a global batch (every rank packs the same batch identically)."""
     from train.batches import collate
@@ -106,7 +118,7 @@ def _train(opts: dict, cfg, info) -> dict:
             bar.advance(1, tokens=metrics.tokens)
             if info.is_main and (step % opts["log_every"] == 0 or step == 1):
                 _log.info(metrics.line(f"sft step {step}"))
-            if not eval_tasks or (step % opts["eval_every"] and step != opts["steps"]):
+            if not eval_tasks or not eval_due(step, accuracy, opts):
                 continue
             model.eval()
             accuracy = greedy_accuracy(generate, tok, eval_tasks, reward, info=info,
@@ -218,6 +230,8 @@ def run_sft(opts: dict) -> int:
 @click.option("--target-accuracy", type=click.FloatRange(0, 1), default=None,
               help="stop once eval accuracy reaches this (needs --eval-data)")
 @click.option("--eval-every", type=click.IntRange(1), default=25, show_default=True, help="steps between evals")
+@click.option("--eval-every-near", type=click.IntRange(1), default=5, show_default=True,
+              help="steps between evals while the latest eval is at least a quarter of --target-accuracy")
 @click.option("--eval-limit", type=click.IntRange(1), default=500, show_default=True, help="eval tasks used at most")
 @click.option("--eval-batch-size", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True, help="greedy eval length")
