@@ -1,4 +1,4 @@
-"""scripts/demo.sh as a user runs it (slow tier: about 7 minutes on 2 quiet cores). It must finish,
+"""scripts/demo.sh as a user runs it (slow tier: 8-10 minutes on 2 quiet cores). It must finish,
 print the per-iteration table and beat the SFT start by at least 10 points of eval accuracy.
 
 The demo runs in its own session and the nodes in theirs (setsid); whatever happens, the test
