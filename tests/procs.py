@@ -24,6 +24,7 @@ class Procs:
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.groups: list[int] = []  # process groups a child started on its own (setsid), also killed
 
     def start(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
@@ -52,6 +53,21 @@ class Procs:
     def signal(self, name: str, sig: int) -> None:
         os.killpg(self.procs[name].pid, sig)
 
+    def adopt(self, pgids: list[int]) -> None:
+        """Process groups a child started in sessions of their own: cleanup kills them too."""
+        self.groups.extend(g for g in pgids if g not in self.groups)
+
+    def alive_groups(self) -> list[int]:
+        """The adopted groups that still have a process."""
+        alive = []
+        for g in self.groups:
+            try:
+                os.killpg(g, 0)
+            except ProcessLookupError:
+                continue
+            alive.append(g)
+        return alive
+
     def cleanup(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -61,12 +77,12 @@ class Procs:
                 except ProcessLookupError:
                     pass
                 p.wait()
-        for p in self.procs.values():  # nothing of any group may survive
+        for g in [p.pid for p in self.procs.values()] + self.groups:  # nothing of any group may survive
             try:
-                os.killpg(p.pid, 0)
+                os.killpg(g, signal.SIGCONT)
+                os.killpg(g, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            os.killpg(p.pid, signal.SIGKILL)
 
 
 def wait_for_text(procs: Procs, name: str, text: str, timeout: float) -> float:

@@ -6,6 +6,7 @@ stops both nodes' process groups, and a demo that overruns fails with the tails 
 and of each node's log and trainer log, so the failure says where it stood."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ROOT, env
+from tests.procs import ROOT, Procs, env
 
 TIMEOUT = 1800
 
@@ -27,51 +28,36 @@ def _tail(path: Path, chars: int = 2500) -> str:
         return f"---- {path}: {exc}\n"
 
 
-def _groups_alive(pgids: list[int]) -> list[int]:
-    alive = []
-    for g in pgids:
-        try:
-            os.killpg(g, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(g)
-    return alive
-
-
-def _stop(demo: subprocess.Popen, work: Path) -> None:
-    """TERM the demo's session (its trap TERMs the nodes), then KILL whatever of it and of the
-    nodes' groups is left."""
+def _stop(procs: Procs, work: Path) -> None:
+    """TERM the demo (its trap TERMs the nodes) and the nodes' groups, so the drivers stop their
+    trainers and engines, and wait up to 30 s; the fixture's cleanup SIGKILLs whatever is left."""
     pgid_file = work / "nodes.pgid"
-    nodes = [int(x) for x in pgid_file.read_text().split()] if pgid_file.exists() else []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for g in [demo.pid, *nodes]:
-            try:
-                os.killpg(g, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (demo.poll() is None or _groups_alive(nodes)):
-            time.sleep(0.2)
-    demo.wait()
-    assert not _groups_alive(nodes), f"node process groups {nodes} survived SIGKILL"
+    procs.adopt([int(x) for x in pgid_file.read_text().split()] if pgid_file.exists() else [])
+    demo = procs.procs["demo"]
+    if demo.poll() is None:
+        procs.signal("demo", signal.SIGTERM)
+    for g in procs.alive_groups():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(g, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (demo.poll() is None or procs.alive_groups()):
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
-def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(tmp_path):
-    out_file = tmp_path.parent / f"{tmp_path.name}-demo.out"
-    with open(out_file, "wb") as sink:
-        demo = subprocess.Popen(["bash", str(ROOT / "scripts" / "demo.sh")], cwd=ROOT,
-                                env=env(BATON_DEMO_DIR=str(tmp_path)), stdout=sink, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(procs, tmp_path):
+    work = tmp_path / "demo"  # the demo removes and recreates its folder: procs' logs stay beside it
+    demo = procs.start("demo", ["bash", str(ROOT / "scripts" / "demo.sh")], env=env(BATON_DEMO_DIR=str(work)),
+                       stdin=subprocess.DEVNULL)
     try:
         rc = demo.wait(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        _stop(demo, tmp_path)
-    out = out_file.read_text(errors="replace")
-    logs = "".join(_tail(p) for p in [out_file, tmp_path / "node-0.log", tmp_path / "node-1.log",
-                                      *sorted((tmp_path / "run" / "logs").glob("*/rank-*/trainer.log"))])
+        _stop(procs, work)
+    out = procs.log("demo")
+    logs = "".join(_tail(p) for p in [procs.logs / "demo.log", work / "node-0.log", work / "node-1.log",
+                                      *sorted((work / "run" / "logs").glob("*/rank-*/trainer.log"))])
     assert rc is not None, f"the demo did not finish within {TIMEOUT} s; where it stood:\n{logs}"
     assert rc == 0, logs
     m = re.search(r"eval accuracy ([0-9.]+) \(checkpoint 0\) -> ([0-9.]+) \(checkpoint (\d+)\): ([+-][0-9.]+) points",
@@ -79,7 +65,7 @@ def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(tmp_path):
     assert m, out[-3000:]
     start, end = float(m.group(1)), float(m.group(2))
     assert end - start >= 0.10, f"RL gained only {100 * (end - start):.1f} points ({start:.3f} -> {end:.3f})"
-    assert (tmp_path / "run" / "report" / "learning.png").exists()
+    assert (work / "run" / "report" / "learning.png").exists()
     # one line per finished iteration while it runs, before the final table
     done = [m.start() for m in re.finditer(r"iteration \d+ done in [0-9.]+ s: train reward", out)]
     assert len(done) >= int(m.group(3)) and done[-1] < out.index("per iteration"), out[-3000:]
