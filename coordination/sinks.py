@@ -125,14 +125,21 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
 
 
 def close(timeout: float = 60.0) -> None:
-    """Write what is queued (up to `timeout` seconds), then flush and close the sinks (at the end of a run)."""
+    """Write what is queued, then flush and close the sinks (at the end of a run), all on the sinks'
+    thread and within `timeout` seconds in total: W&B's `finish()` waits for its service process,
+    and an end of run that waits on it without a bound could keep the master from exiting."""
     global _background
-    if _background is not None:
-        if not _background.drain(timeout):
-            log.warning("metric sinks did not finish within %.0f s; their last values may be missing "
-                        "(metrics/iter-N.json has them)", timeout)
-        _background.put(None)
-        _background = None
+    if _background is None:
+        return
+    worker, _background = _background, None
+    worker.put(_close_writers)
+    if not worker.drain(timeout):
+        log.warning("metric sinks did not finish within %.0f s; their last values may be missing "
+                    "(metrics/iter-N.json has them)", timeout)
+    worker.put(None)
+
+
+def _close_writers() -> None:
     tb = _writers.pop("tb", None)
     if tb is not None:
         tb.close()

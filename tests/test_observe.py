@@ -281,3 +281,37 @@ def test_sinks_write_in_the_background_so_emit_never_waits_for_a_slow_sink(tmp_p
     acc = EventAccumulator(str(lay.tensorboard_dir))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("run/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def test_close_returns_within_its_timeout_when_a_sink_hangs(tmp_path, caplog):
+    """A sink that never returns (W&B's finish() waiting on its service process) costs close() its
+    timeout, not the end of the run: the writers are closed on the sinks' thread, and the master
+    goes on to exit."""
+    import threading
+    import time
+
+    lay = RunLayout(tmp_path)
+
+    class Cfg:
+        tensorboard = True
+
+        class wandb:
+            mode = "disabled"
+
+    hang = threading.Event()
+    try:
+        sinks.emit(Cfg, lay, {"iteration": 1, "loss": 1.0})
+        assert sinks._worker().drain(60) and "tb" in sinks._writers  # TensorBoard opened and written
+        sinks._worker().put(hang.wait)  # stands for a finish() that does not come back
+        worker = sinks._background
+        started = time.monotonic()
+        sinks.close(timeout=0.5)
+        elapsed = time.monotonic() - started
+        assert 0.5 <= elapsed < 3.0
+        assert "metric sinks did not finish within" in caplog.text
+        assert sinks._background is None and worker.thread.is_alive()  # left behind, a daemon thread
+        assert "tb" in sinks._writers  # its close is queued behind the hung task
+    finally:
+        hang.set()
+    worker.thread.join(timeout=10)
+    assert not worker.thread.is_alive() and "tb" not in sinks._writers  # closed on the sinks' thread, then it ended
