@@ -49,8 +49,9 @@ class RolloutConfig:
     chunk_seconds: float = option(
         30.0, "... or once this many seconds have passed since its last chunk, whichever comes first")
     prompts_per_call: int = option(
-        32, "task prompts per engine call (each with its group of samples); larger batches are faster but "
-            "lose more work when a node dies mid-call")
+        32, "task prompts per engine call (each with its group of samples) for engines that batch in their "
+            "own process (transformers); larger batches are faster but lose more work when a node dies mid-call. "
+            "vLLM takes all of a rank's tasks in one rolling window instead (inference.vllm.max_concurrency)")
     success_reward: float = option(
         1.0, "a sample counts as solved (pass@k, all-solved/none-solved groups) when its reward is at least this")
 

@@ -83,6 +83,11 @@ class Engine(abc.ABC):
     """
 
     name: str = "engine"
+    #: True when generate() keeps a rolling window of requests in flight and takes `on_result`
+    #: (index, samples) to hand over each prompt's samples as they finish; the worker then gives it
+    #: all of a rank's tasks in one call. Engines that batch in their own process (transformers)
+    #: get `rollout.prompts_per_call` prompts per call instead.
+    rolling: bool = False
 
     def __init__(self) -> None:
         self.model_dir: Path | None = None

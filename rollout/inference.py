@@ -30,6 +30,8 @@ MANAGED_FLAGS = {
     "--enable-lora": "inference.vllm.max_lora_rank (> 0 serves LoRA adapters)",
     "--max-lora-rank": "inference.vllm.max_lora_rank",
     "--max-loras": "inference.vllm.max_lora_rank (one adapter slot: the policy's)",
+    "--max-num-seqs": "inference.vllm.max_num_seqs (the rank's request window is sized from it)",
+    "--api-server-count": "inference.vllm.data_parallel_size (one API server per data-parallel engine)",
 }
 # Environment variables baton sets itself; see VLLMEngine for why.
 MANAGED_ENV = {
@@ -84,7 +86,7 @@ class VLLMConfig:
         2, "vLLM sleep level with between_iterations=sleep: 2 discards the weights (they are reloaded on wake, "
            "as RL changes them anyway), 1 keeps a copy in CPU RAM")
     extra_args: list[str] = option(
-        factory=list, help="more server flags, appended last (so they win), e.g. ['--max-num-seqs', '256']")
+        factory=list, help="more server flags, appended last (so they win), e.g. ['--max-num-batched-tokens', '16384']")
     env: dict[str, str] = option(
         factory=dict, help="extra environment of the server, e.g. {VLLM_CPU_KVCACHE_SPACE: '4'}; wins over the "
                            "cpu recipe")
@@ -94,7 +96,13 @@ class VLLMConfig:
         30.0, "seconds between SIGTERM and SIGKILL of the server's process group at stop")
     request_timeout: float = option(
         1800.0, "seconds one completion request (n samples of one prompt) or one weight reload may take")
-    max_concurrency: int = option(64, "completion requests in flight at once from this rank")
+    max_num_seqs: int = option(
+        0, "sequences one engine (data-parallel replica) runs at once (--max-num-seqs); 0 = vLLM's default "
+           "for the device (256 on most GPUs, 1024 on H100/H200-class GPUs, 128 on CPU)")
+    max_concurrency: int = option(
+        0, "completion requests (each with its group of samples) in flight at once from this rank; 0 = enough to "
+           "keep every engine's batch full and as many waiting: 2 x data_parallel_size x max_num_seqs / group "
+           "size, with max_num_seqs taken as 1024 when it is vLLM's default")
     retries: int = option(
         3, "retries of a request after a transient failure (connection error, timeout, HTTP 5xx), with backoff")
     cpu: bool = option(
@@ -129,7 +137,8 @@ class VLLMConfig:
             raise ConfigError(f"sleep_level must be 1 or 2 (got {self.sleep_level})")
         for key in ("startup_timeout", "stop_timeout", "request_timeout"):
             positive(getattr(self, key), key)
-        positive(self.max_concurrency, "max_concurrency")
+        non_negative(self.max_num_seqs, "max_num_seqs")
+        non_negative(self.max_concurrency, "max_concurrency")
         non_negative(self.retries, "retries")
         if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
             larger = [r for r in VLLM_LORA_RANKS if r >= self.max_lora_rank]
@@ -147,6 +156,24 @@ class VLLMConfig:
         if self.debug_url and not self.debug_url.startswith(("http://", "https://")):
             raise ConfigError(f"debug_url must start with http:// or https:// (got {self.debug_url!r}), "
                               f"e.g. http://127.0.0.1:8000")
+
+    def api_server_count(self) -> int:
+        """API server processes in front of the engines: one per data-parallel engine, so the HTTP
+        front end scales with them (vLLM's own default for `vllm serve`). With runtime LoRA loading
+        one: each API server keeps its own list of loaded adapters, and the adapter is loaded
+        through one request, so a second server would not know it."""
+        return 1 if self.max_lora_rank else self.data_parallel_size
+
+    def requests_in_flight(self, n: int) -> int:
+        """The rank's rolling window of completion requests, each with `n` samples (its group):
+        `max_concurrency`, or with 0 enough to fill every engine's batch (`data_parallel_size` x
+        `max_num_seqs` sequences) and keep as many waiting in its queue, so no engine idles while
+        finished requests are replaced. `max_num_seqs` 0 counts as 1024, the largest of vLLM's
+        defaults: a window too large only queues in the server, one too small idles the GPUs."""
+        if self.max_concurrency:
+            return self.max_concurrency
+        slots = self.data_parallel_size * (self.max_num_seqs or 1024)
+        return max(1, -(-2 * slots // max(1, n)))
 
     def resolved_api_key(self) -> str:
         """The key itself, read now from its env:NAME or file:PATH reference (or given literally)."""

@@ -78,14 +78,19 @@ def roll_groups(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_siz
     """Sample `group_size` completions of each task in one engine call and score every one."""
     prompt_ids = [encode_prompt(tokenizer, t) for t in tasks]
     results = engine.generate(prompt_ids, group_size, sampling)
-    if len(results) != len(tasks) or any(len(r) != group_size for r in results):
-        raise RolloutError(f"engine {engine.name} returned {[len(r) for r in results]} samples for {len(tasks)} "
-                           f"prompts x {group_size}; the engine is broken")
-    groups = []
-    for task, ids, samples in zip(tasks, prompt_ids, results):
-        rewards = [reward_fn(task, s.text, s.finish_reason) for s in samples]
-        groups.append(Group(task, ids, samples, rewards))
-    return groups
+    if len(results) != len(tasks):
+        raise RolloutError(f"engine {engine.name} returned samples for {len(results)} of {len(tasks)} prompts; "
+                           f"the engine is broken")
+    return [_scored(engine, task, ids, samples, group_size, reward_fn)
+            for task, ids, samples in zip(tasks, prompt_ids, results)]
+
+
+def _scored(engine: Engine, task: Task, prompt_ids: list[int], samples: list[Sample], group_size: int,
+            reward_fn: RewardFn) -> Group:
+    if len(samples) != group_size:
+        raise RolloutError(f"engine {engine.name} returned {len(samples)} samples for task {task.id}, not "
+                           f"{group_size}; the engine is broken")
+    return Group(task, prompt_ids, samples, [reward_fn(task, s.text, s.finish_reason) for s in samples])
 
 
 def _rows(group: Group, *, split: str, iteration: int, rank: int, generation: int, policy_iteration: int) -> list[dict]:
@@ -216,10 +221,10 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
 
     gen_t0 = time.monotonic()
     with Progress(f"rank {rank} {split} rollout iter {iteration}", total=len(todo), unit="tasks") as bar:
-        for start in range(0, len(todo), cfg.prompts_per_call):
-            batch = todo[start:start + cfg.prompts_per_call]
-            call = dataclasses.replace(sampling, seed=call_seed(sampling.seed, split, iteration, [t.id for t in batch]))
-            groups = roll_groups(engine, tokenizer, batch, group_size, call, reward_fn)
+        finished = len(covered)
+
+        def take(groups: list[Group]) -> None:
+            nonlocal finished
             tokens = sum(len(s.token_ids) for g in groups for s in g.samples)
             manifest.generated_samples += len(groups) * group_size
             manifest.generated_tokens += tokens
@@ -228,9 +233,23 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
             buffer.extend(groups)
             if len(buffer) >= cfg.chunk_groups or time.monotonic() - last_flush >= cfg.chunk_seconds:
                 flush()
-            bar.advance(len(batch), samples=len(groups) * group_size, tokens=tokens)
-            done = len(covered) + start + len(batch)
-            report(done, total, f"rolling out {done}/{total} {split} tasks")
+            bar.advance(len(groups), samples=len(groups) * group_size, tokens=tokens)
+            finished += len(groups)
+            report(finished, total, f"rolling out {finished}/{total} {split} tasks")
+
+        if engine.rolling and todo:
+            # One call for all of them: the engine keeps its window of requests full to the last
+            # task, and each group lands in the next chunk as soon as it is scored (in the order
+            # they finish; a chunk names its tasks, so resuming does not depend on the order).
+            call = dataclasses.replace(sampling, seed=call_seed(sampling.seed, split, iteration, [t.id for t in todo]))
+            prompt_ids = [encode_prompt(tokenizer, t) for t in todo]
+            engine.generate(prompt_ids, group_size, call, on_result=lambda i, samples: take(
+                [_scored(engine, todo[i], prompt_ids[i], samples, group_size, reward_fn)]))
+        else:
+            for start in range(0, len(todo), cfg.prompts_per_call):
+                batch = todo[start:start + cfg.prompts_per_call]
+                call = dataclasses.replace(sampling, seed=call_seed(sampling.seed, split, iteration, [t.id for t in batch]))
+                take(roll_groups(engine, tokenizer, batch, group_size, call, reward_fn))
         flush()
     manifest.seconds = time.monotonic() - gen_t0
     fence()

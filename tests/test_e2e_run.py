@@ -200,4 +200,4 @@ def test_one_node_run_with_the_vllm_engine_on_cpu(procs, tmp_path, assets):
         assert _rows(lay, it).num_rows == 24 * 4
         assert _metrics(lay, it)["eval_accuracy"] is not None
     server_log = lay.job("both").log_file(0, "inference").read_text()
-    assert "vllm.entrypoints.openai.api_server" in server_log or "Uvicorn" in server_log or "Started server" in server_log
+    assert "vllm.entrypoints.cli.main serve" in server_log or "Uvicorn" in server_log or "Started server" in server_log

@@ -41,10 +41,10 @@ def test_yaml_mapping_builds_the_nested_vllm_section():
     cfg = from_dict(InferenceConfig, {
         "engine": "vllm", "between_iterations": "reload",
         "vllm": {"cpu": True, "python": "/opt/vllm/bin/python", "env": {"VLLM_CPU_KVCACHE_SPACE": "2"},
-                 "extra_args": ["--max-num-seqs", "64"], "max_concurrency": 8}})
+                 "extra_args": ["--max-num-batched-tokens", "4096"], "max_concurrency": 8}})
     assert isinstance(cfg.vllm, VLLMConfig)
     assert cfg.vllm.env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    assert cfg.vllm.extra_args == ["--max-num-seqs", "64"]
+    assert cfg.vllm.extra_args == ["--max-num-batched-tokens", "4096"]
     assert (cfg.vllm.cpu, cfg.vllm.max_concurrency) == (True, 8)
 
 
@@ -77,7 +77,8 @@ def test_loopback_detection(host, loopback):
 @pytest.mark.parametrize("data, key, value", [
     ({"vllm": {"port": 70000}}, "inference.vllm.port", "70000"),
     ({"vllm": {"gpu_memory_utilization": 1.5}}, "inference.vllm.gpu_memory_utilization", "1.5"),
-    ({"vllm": {"max_concurrency": 0}}, "inference.vllm.max_concurrency", "0"),
+    ({"vllm": {"max_concurrency": -1}}, "inference.vllm.max_concurrency", "-1"),
+    ({"vllm": {"max_num_seqs": -1}}, "inference.vllm.max_num_seqs", "-1"),
     ({"vllm": {"retries": -1}}, "inference.vllm.retries", "-1"),
     ({"vllm": {"sleep_level": 3}}, "inference.vllm.sleep_level", "3"),
     ({"vllm": {"startup_timeout": 0}}, "inference.vllm.startup_timeout", "0"),
@@ -101,10 +102,11 @@ def test_bad_values_are_refused_naming_key_and_value(data, key, value):
 
 
 @pytest.mark.parametrize("arg", ["--port", "--port=8000", "--api-key", "--served-model-name", "--logprobs-mode",
-                                 "--seed=3", "--model", "--enable-lora", "--max-lora-rank=64", "--max-loras"])
+                                 "--seed=3", "--model", "--enable-lora", "--max-lora-rank=64", "--max-loras",
+                                 "--max-num-seqs=64", "--api-server-count"])
 def test_extra_args_may_not_override_flags_baton_sets(arg):
     with pytest.raises(ConfigError) as err:
-        VLLMConfig(extra_args=["--max-num-seqs", "8", arg])
+        VLLMConfig(extra_args=["--max-num-batched-tokens", "8192", arg])
     assert arg in str(err.value) and "extra_args" in str(err.value)
 
 
@@ -163,3 +165,18 @@ def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
     cfg().check_for("update")                                    # an update job serves nothing
     cfg("train.lora.publish=merged").check_for("rollout")        # merged checkpoints are served as they are
     cfg("inference.vllm.debug_url=http://127.0.0.1:8000").check_for("both")  # the user's server decides
+
+
+@pytest.mark.parametrize("dp, seqs, n, window", [
+    (1, 0, 8, 256),     # vLLM's default max_num_seqs counts as 1024: 2 x 1024 / 8
+    (8, 0, 8, 2048),    # scales with the data-parallel engines
+    (2, 256, 16, 64),   # 2 x 2 x 256 / 16
+    (1, 128, 1, 256),   # eval: one greedy sample per request
+    (1, 100, 3, 67),    # rounded up, so the batch is full
+])
+def test_the_request_window_fills_every_engine_batch_and_as_many_waiting(dp, seqs, n, window):
+    assert VLLMConfig(data_parallel_size=dp, max_num_seqs=seqs).requests_in_flight(n) == window
+
+
+def test_an_explicit_max_concurrency_is_the_window():
+    assert VLLMConfig(data_parallel_size=8, max_concurrency=8).requests_in_flight(8) == 8

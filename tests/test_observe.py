@@ -137,7 +137,7 @@ def test_dry_run_prints_plan_split_and_commands_and_writes_nothing(tmp_path):
     assert "tasks_per_iteration: 40" in out                              # the resolved config
     assert "10 train" in out and "barrier" in out                       # the phase plan
     assert "train rank 0: 20 tasks" in out and "train rank 2: 10 tasks <- this node" in out
-    assert "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server --model" in out
+    assert "/opt/vllm/bin/python -m vllm.entrypoints.cli.main serve " in out
     assert "-m torch.distributed.run --nnodes 3" in out and "--rdzv-conf is_host=0" in out
     assert not log.exists() and sorted(p for p in tmp_path.rglob("*")) == before
 

@@ -48,6 +48,7 @@ class CountingEngine:
     """Delegates to a real engine and records which prompts it was asked to sample."""
 
     name = "counting"
+    rolling = False
 
     def __init__(self, inner, fail: bool = False):
         self.inner, self.fail, self.prompts = inner, fail, []

