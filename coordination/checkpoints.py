@@ -1,9 +1,11 @@
 """Checkpoint folders, their publication and retention (docs/design.md §6 phase 11, §11.4).
 
 A checkpoint is a Hugging Face folder (weights, config, tokenizer, generation config) that vLLM
-and transformers load as they are, plus `optimizer/` (one safetensors + JSON pair per trainer
-rank) and `trainer_state.json`. The marker `baton-complete.json` is written last and lists every
-file with its size; a folder is complete only when the marker validates and the files match.
+and transformers load as they are, plus `optimizer/` (DCP shard files, one per trainer rank) and
+`trainer_state.json`. The marker `baton-complete.json` is written last and lists every file with
+its size; a folder is complete only when the marker validates and the files match. A resident
+trainer writes `optimizer/` after the weights are published, as a folder with its own marker
+(`publish_optimizer`; `optimizer_pending` says when it is still missing).
 
 Publication renames a complete staging folder to `checkpoints/iter-N` in one step, and only then
 moves `checkpoints/LATEST` (a JSON record) forward. Readers therefore never see a half-written
@@ -20,7 +22,8 @@ import logging
 import os
 from pathlib import Path
 
-from coordination.layout import RunLayout, check_no_links, iteration_number, staging_identity
+from coordination.layout import (RunLayout, check_no_links, iteration_number, optimizer_staging_identity,
+                                 staging_identity)
 from coordination.records import (NotThereYet, WrongRun, ensure_dir, fence_check, publish_record, read_record,
                                   remove_tree, try_read)
 
@@ -179,6 +182,40 @@ def publish_checkpoint(layout: RunLayout, iteration: int, staging: Path, *, run_
     return final
 
 
+def optimizer_pending(folder: Path, *, run_id: str | None = None) -> bool:
+    """True for a checkpoint whose optimizer state was to follow its weights (a resident trainer
+    writes it while the next iteration rolls out, docs/design.md §9.6) and is not complete in
+    `folder/optimizer/` yet: if its writer died, the state must be made again (the redo rule)."""
+    try:
+        state = read_record(Path(folder) / TRAINER_STATE, kind="trainer-state", run_id=run_id).data
+    except NotThereYet:
+        return False
+    return bool(state.get("optimizer_deferred")) and not is_complete(Path(folder) / OPTIMIZER_DIR, run_id=run_id)
+
+
+def publish_optimizer(layout: RunLayout, iteration: int, staging: Path, *, run_id: str) -> Path:
+    """Rename the complete optimizer folder `staging` to `checkpoints/iter-N/optimizer`, once
+    iter-N itself is published. Idempotent: an optimizer folder already complete there is kept and
+    the staging folder removed."""
+    final = layout.checkpoint(iteration) / OPTIMIZER_DIR
+    staging = Path(staging)
+    check_no_links(staging)
+    if not is_complete(layout.checkpoint(iteration), run_id=run_id):
+        raise CheckpointError(f"{layout.checkpoint(iteration)} is not a published checkpoint; its optimizer state "
+                              f"in {staging} cannot go into it")
+    if is_complete(final, run_id=run_id):
+        remove_tree(staging, ignore_errors=True)
+        return final
+    if not is_complete(staging, run_id=run_id):
+        raise CheckpointError(f"optimizer staging folder {staging} is missing or incomplete; the trainer that "
+                              f"wrote it did not finish: the next training replays iteration {iteration}")
+    if os.path.lexists(final):
+        remove_tree(final)  # an incomplete optimizer/ (never written by baton's rename): replace it
+    fence_check()  # docs/design.md §5 rule 7
+    os.rename(staging, final)
+    return final
+
+
 def published_iterations(layout: RunLayout) -> list[int]:
     """Iterations that have a folder under checkpoints/ (a directory listing: call rarely)."""
     try:
@@ -204,6 +241,11 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
     keep = set(present[-keep_last:]) | set(protected)
     if latest_iter is not None:
         keep.add(latest_iter)
+    # The newest checkpoint whose optimizer state is on disk stays: while a newer one's state is
+    # still being written, a crash makes the trainer replay that newer iteration from it.
+    durable = [i for i in present if not optimizer_pending(layout.checkpoint(i))]
+    if durable:
+        keep.add(durable[-1])
     removed = []
     for iteration in present:
         if iteration in keep or (latest_iter is not None and iteration > latest_iter):
@@ -221,6 +263,11 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
         for path in staging_dir.iterdir():
             ident = staging_identity(path.name)
             if ident is not None and ident[0] <= latest_iter:
+                remove_tree(path, ignore_errors=True)
+            ident = optimizer_staging_identity(path.name)
+            # optimizer state of an iteration no newer than the newest one whose state is in place:
+            # moved there already, or left by a writer that died (the replay wrote its own)
+            if ident is not None and durable and ident[0] <= durable[-1]:
                 remove_tree(path, ignore_errors=True)
     if removed:
         _log.info("retention removed checkpoints %s (keeping %s)", removed, sorted(keep & set(present)))

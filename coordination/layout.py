@@ -128,12 +128,19 @@ def chunk_identity(name: str) -> tuple[int, int] | None:
 
 
 _STAGING_RE = re.compile(r"^iter-(\d+)\.a(\d+)$")
+_OPTIMIZER_STAGING_RE = re.compile(r"^iter-(\d+)\.a(\d+)\.optimizer$")
 _BARRIER_RE = re.compile(r"^(\d\d)-[a-z0-9-]+(\.a\d+)?$")
 
 
 def staging_identity(name: str) -> tuple[int, int] | None:
     """`iter-3.a2` (a checkpoint staging folder) -> (3, 2) = (iteration, attempt); else None."""
     m = _STAGING_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def optimizer_staging_identity(name: str) -> tuple[int, int] | None:
+    """`iter-3.a2.optimizer` (an optimizer-state staging folder) -> (3, 2); else None."""
+    m = _OPTIMIZER_STAGING_RE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
@@ -250,6 +257,11 @@ class RunLayout:
     def checkpoint_staging(self, iteration: int, attempt: int) -> Path:
         """Where an attempt assembles a checkpoint before it is renamed into place."""
         return self.checkpoints_dir / ".staging" / f"iter-{iteration}.a{attempt}"
+
+    def optimizer_staging(self, iteration: int, attempt: int) -> Path:
+        """Where a resident trainer writes iteration N's optimizer state after the weights
+        (docs/design.md §9.6); renamed to checkpoints/iter-N/optimizer once complete."""
+        return self.checkpoints_dir / ".staging" / f"iter-{iteration}.a{attempt}.optimizer"
 
     @property
     def checkpoint_staging_dir(self) -> Path:

@@ -156,8 +156,14 @@ class RLJob:
     def close_engine(self) -> None:
         self.engines.close()
 
-    def close_trainer(self) -> None:
-        if self.trainer is not None:
+    def close_trainer(self, finished: bool) -> None:
+        """Stop this node's resident trainer: after a finished run through a stop order (its last
+        optimizer state reaches the disk first), after anything else by its process group."""
+        if self.trainer is None:
+            return
+        if finished:
+            self.trainer.close(self.cfg.train.collective_timeout)
+        else:
             self.trainer.stop()
 
     # -- tasks -------------------------------------------------------------------------------
@@ -647,7 +653,7 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
     finally:
         if job is not None:
             try:
-                job.close_trainer()
+                job.close_trainer(finished=code == exits.OK)
             except Exception as exc:  # noqa: BLE001 - still stop the engine and release the claim
                 logger.error("could not stop the resident trainer: %s", exc)
             try:

@@ -96,3 +96,67 @@ def test_retention_never_removes_latest_even_when_newer_folders_are_unpublished(
     removed = apply_retention(layout, keep_last=1, protected=set())
     assert removed == [1, 2]
     assert layout.checkpoint(3).exists() and layout.checkpoint(4).exists()
+
+
+def _deferred(layout: RunLayout, iteration: int) -> Path:
+    """A published checkpoint whose trainer state says its optimizer state follows (a resident
+    trainer's), without that state yet."""
+    from coordination.records import publish_record
+
+    folder = layout.checkpoint_staging(iteration, 1)
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * (100 + iteration))
+    publish_record(folder / "trainer_state.json", "trainer-state", {"optimizer_deferred": True}, run_id="run-a",
+                   generation=0)
+    mark_complete(folder, iteration=iteration, run_id="run-a")
+    return publish_checkpoint(layout, iteration, folder, run_id="run-a")
+
+
+def _optimizer_staging(layout: RunLayout, iteration: int, attempt: int = 1, complete: bool = True) -> Path:
+    folder = layout.optimizer_staging(iteration, attempt)
+    folder.mkdir(parents=True)
+    (folder / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"o" * (10 + iteration))
+    if complete:
+        mark_complete(folder, iteration=iteration, run_id="run-a")
+    return folder
+
+
+def test_the_optimizer_state_moves_into_its_published_checkpoint_once_complete(tmp_path):
+    from coordination.checkpoints import optimizer_pending, publish_optimizer
+
+    layout = RunLayout(tmp_path)
+    _deferred(layout, 1)
+    assert optimizer_pending(layout.checkpoint(1))
+    with pytest.raises(CheckpointError, match="incomplete"):
+        publish_optimizer(layout, 1, _optimizer_staging(layout, 1, complete=False), run_id="run-a")
+    assert optimizer_pending(layout.checkpoint(1)) and not (layout.checkpoint(1) / "optimizer").exists()
+    staging = _optimizer_staging(layout, 1, attempt=2)
+    assert publish_optimizer(layout, 1, staging, run_id="run-a") == layout.checkpoint(1) / "optimizer"
+    assert not staging.exists() and not optimizer_pending(layout.checkpoint(1))
+    assert is_complete(layout.checkpoint(1))  # the weights' marker does not list optimizer/: still complete
+    again = _optimizer_staging(layout, 1, attempt=3)  # a second writer (a replay): the first one's is kept
+    publish_optimizer(layout, 1, again, run_id="run-a")
+    assert not again.exists() and (layout.checkpoint(1) / "optimizer" / "shard-00001-model-00001-of-00001.safetensors").exists()
+    with pytest.raises(CheckpointError, match="not a published checkpoint"):
+        publish_optimizer(layout, 2, _optimizer_staging(layout, 2), run_id="run-a")
+
+
+def test_retention_keeps_the_newest_checkpoint_with_its_optimizer_state_while_a_newer_one_waits(tmp_path):
+    """keep_last=1, but checkpoint 3's optimizer state is still being written: checkpoint 2 (the
+    newest with its state) stays, since a crash now replays iteration 3 from it. Optimizer staging
+    folders of iterations up to 2 are dead; 3's is being written and stays."""
+    from coordination.checkpoints import publish_optimizer
+
+    layout = RunLayout(tmp_path)
+    for it in (1, 2):
+        _deferred(layout, it)
+        publish_optimizer(layout, it, _optimizer_staging(layout, it), run_id="run-a")
+    _deferred(layout, 3)
+    dead = _optimizer_staging(layout, 2, attempt=2, complete=False)
+    writing = _optimizer_staging(layout, 3, complete=False)
+    assert apply_retention(layout, keep_last=1, protected=set()) == [1]
+    assert layout.checkpoint(2).exists() and layout.checkpoint(3).exists()
+    assert not dead.exists() and writing.exists()
+    publish_optimizer(layout, 3, _optimizer_staging(layout, 3, attempt=2), run_id="run-a")
+    assert apply_retention(layout, keep_last=1, protected=set()) == [2]
+    assert not writing.exists()

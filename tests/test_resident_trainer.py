@@ -224,3 +224,70 @@ def test_kill_9_and_restart_with_the_same_command(procs, tmp_path, assets, momen
         assert _kill_trainers_left(seen) == [], "a trainer process outlived its run"
     finally:
         _kill_trainers_left(seen | _all_trainer_pids(lay, 3))
+
+
+@pytest.mark.slow
+def test_a_node_killed_while_the_optimizer_state_is_written_replays_that_iteration(procs, tmp_path, assets):
+    """A resident trainer writes the optimizer state after the weights, while the run goes on
+    (docs/design.md §9.6). kill -9 of the worker node once checkpoint 1 is published but its
+    optimizer state is not (trainer rank 0 holds that write back 40 s through a test hook): the
+    restart relaunches both nodes' trainers, so the state in memory is lost; the new trainers find
+    checkpoint 1 without it, replay iteration 1 from the base model, and the run ends with exact
+    counts, optimizer steps 2, 4, 6, and every checkpoint's optimizer state complete with AdamW's
+    step count at 2 x its iteration."""
+    from coordination.checkpoints import is_complete
+    from tests.procs import env
+    import torch
+
+    from tests.train_support import optimizer_steps, optimizer_tensors
+
+    data, model = assets
+    log = fresh_log(tmp_path)
+    lay = RunLayout(log)
+    over = ("run.max_iterations=3", "tasks.tasks_per_iteration=64", "rollout.prompts_per_call=4",
+            "rollout.chunk_groups=2", "train.max_attempts=3")
+    w_cmd = node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=over)
+    hold = env(BATON_TEST_HOLD_OPTIMIZER_WRITE="1:40")  # on every node: either may host trainer rank 0
+    procs.start("n0", node_cmd(data, model, log, *FLAGS, "--master", overrides=over), env=hold)
+    procs.start("n1", w_cmd, env=hold)
+    seen: set[int] = set()
+    state = lay.checkpoint(1) / "optimizer"
+    try:
+        _wait(lambda: is_complete(lay.checkpoint(1)) and not state.exists(),
+              "checkpoint 1 published while its optimizer state is still being written", procs)
+        seen |= _all_trainer_pids(lay, 1)
+        procs.signal("n1", signal.SIGKILL)
+        procs.wait("n1", 30)
+        assert not state.exists(), "too late: the optimizer state of iteration 1 was written"
+        procs.start("n1-again", w_cmd, env=hold)
+        codes = procs.wait_all(900)
+        assert codes.pop("n1") == -signal.SIGKILL
+        assert set(codes.values()) == {0}, procs.log("n0")[-3000:] + procs.log("n1-again")[-3000:]
+        check_complete_run(lay, 3, 64, 4, model)
+        res = _results(lay, 3)
+        assert [res[it]["ranks"][0]["optimizer_step"] for it in (1, 2, 3)] == [2, 4, 6]
+        for it in (1, 2, 3):
+            assert is_complete(lay.checkpoint(it) / "optimizer"), f"iteration {it}: optimizer state incomplete"
+            assert optimizer_steps(lay.checkpoint(it)) == {2.0 * it}
+        trainer_logs = "".join(lay.job("both").log_file(r, "trainer").read_text() for r in (0, 1))
+        assert "replaying iteration 1 from" in trainer_logs and "replayed iteration 1 (optimizer step 2)" in trainer_logs
+        assert not [p for p in lay.checkpoint_staging_dir.iterdir() if p.name.endswith(".optimizer")]
+        seen |= _all_trainer_pids(lay, 3)
+        time.sleep(1.5)  # the watch threads of trainers whose driver died check once a second
+        assert _kill_trainers_left(seen) == [], "a trainer process outlived its run"
+        # The same run without the kill: the replayed state led to the same weights and state.
+        ref = RunLayout(fresh_log(tmp_path, "uninterrupted"))
+        procs.start("r0", node_cmd(data, model, ref.root, *FLAGS, "--master", overrides=over))
+        procs.start("r1", node_cmd(data, model, ref.root, *FLAGS, "--worker", "1", overrides=over))
+        assert procs.wait("r0", 900) == 0 and procs.wait("r1", 60) == 0, procs.log("r0")[-3000:]
+        wa, wb = _weights(lay.checkpoint(3)), _weights(ref.checkpoint(3))
+        assert set(wa) == set(wb)
+        for k in wa:
+            _close(wa[k], wb[k], 4096)
+        sa, sb = optimizer_tensors(lay.checkpoint(3)), optimizer_tensors(ref.checkpoint(3))
+        assert set(sa) == set(sb)
+        for k in sa:
+            _close(torch.cat([t.flatten() for t in sa[k]]), torch.cat([t.flatten() for t in sb[k]]), 4096)
+        seen |= _all_trainer_pids(ref, 3)
+    finally:
+        _kill_trainers_left(seen | _all_trainer_pids(lay, 3))

@@ -98,6 +98,31 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
                             run_id=RUN_ID, iteration=1, tokenizer_source=model,
                             trainer_state={"optimizer_step": 1, "iteration": 1})
             return
+        if mode == "async-publish":
+            # A resident trainer's order: weights first, then the optimizer state in the background
+            # while the next step already changes the state in memory.
+            import torch.distributed as dist
+
+            from coordination.checkpoints import mark_complete
+            from train.optim_state import OptimizerWrite
+
+            _step(t, cfg, info)
+            staging, folder = out / "ckpt-async", out / "optimizer-staging"
+            prepare_output_dir(staging, info)
+            prepare_output_dir(folder, info)
+            dist.barrier()
+            save_checkpoint(staging, policy=t.policy, optimizer=t.optimizer, info=info, backend=cfg.backend,
+                            run_id=RUN_ID, iteration=1, tokenizer_source=model,
+                            trainer_state={"optimizer_step": 1, "iteration": 1}, defer_optimizer=True)
+            write = OptimizerWrite(folder, t.policy, t.optimizer, group=dist.new_group(backend="gloo"), rank=info.rank,
+                                   world_size=info.world_size, finish=lambda files: info.is_main and mark_complete(
+                                       folder, iteration=1, run_id=RUN_ID, expected=files))
+            _step(t, cfg, info)  # the state changes while (or before) it is written: the copy must not
+            write.wait(60.0)
+            dist.barrier()
+            if info.is_main:
+                os.rename(folder, staging / "optimizer")
+            return
         state = read_trainer_state(model)
         assert state["has_optimizer_state"]
         if mode == "resume":
@@ -182,6 +207,35 @@ def test_dcp_optimizer_state_saved_by_two_ranks_resumes_at_one_and_two_with_the_
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL
     # Without the saved moments the step differs by far more than the tolerance: the state was used.
     assert max((fresh[k] - w2[k]).abs().max().item() for k in w1) > 100 * TOL
+
+
+def test_the_optimizer_state_written_in_the_background_is_the_one_of_its_step_and_resumes_alike(base, tmp_path):
+    """A resident trainer's write (OptimizerWrite, dcp.async_save over a gloo group of its own) on
+    2 ranks, with another optimizer step taken right after it started: the files hold exactly
+    what the synchronous save of the same step holds (the state was copied before the write
+    returned), the folder's own marker lists both ranks' shards, the weights' folder says the
+    state was deferred, and resuming from it at world size 1 and 2 gives the synchronous path's
+    next step."""
+    from coordination.checkpoints import is_complete
+    from train.export import read_trainer_state
+
+    _launch("publish", base, tmp_path, 2)
+    _launch("async-publish", base, tmp_path, 2)
+    sync, deferred = tmp_path / "ckpt", tmp_path / "ckpt-async"
+    assert ts.optimizer_files(deferred) == ["baton-complete.json"] + [f for f in ts.optimizer_files(sync)]
+    assert is_complete(deferred / "optimizer", run_id=RUN_ID) and is_complete(deferred, run_id=RUN_ID)
+    assert read_trainer_state(deferred)["optimizer_deferred"] and not read_trainer_state(sync)["optimizer_deferred"]
+    a, b = ts.optimizer_tensors(sync), ts.optimizer_tensors(deferred)
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), key
+    _launch("resume", deferred, tmp_path, 2, tag="async-w2")
+    _launch("resume", deferred, tmp_path, 1, tag="async-w1")
+    _launch("resume", sync, tmp_path, 2, tag="sync-w2")
+    ref = _load(tmp_path / "next-sync-w2.safetensors")
+    for tag in ("async-w2", "async-w1"):
+        got = _load(tmp_path / f"next-{tag}.safetensors")
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= TOL, tag
 
 
 def _kill_during_write(model: Path, tmp_path: Path, timeout: float) -> tuple[bool, bool]:

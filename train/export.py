@@ -68,9 +68,13 @@ def reshard(policy: Policy) -> None:
 
 def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimizer, info: DistInfo, backend: str,
                     run_id: str, iteration: int, tokenizer_source: Path, trainer_state: dict[str, Any],
-                    lora: LoRAConfig | None = None, lora_record: dict[str, Any] | None = None) -> None:
+                    lora: LoRAConfig | None = None, lora_record: dict[str, Any] | None = None,
+                    defer_optimizer: bool = False) -> bool:
     """Collective: write a complete checkpoint folder at `out` (rank 0 creates it beforehand).
-    `lora` / `lora_record`: the run's LoRA settings and record (train.lora.WeightsSource.record)."""
+    `lora` / `lora_record`: the run's LoRA settings and record (train.lora.WeightsSource.record).
+    With `defer_optimizer` the folder holds no optimizer state and its trainer state says the state
+    follows (`optimizer_deferred`): the caller writes it into optimizer/ later (OptimizerWrite).
+    Returns whether the optimizer has state (so there is something to write)."""
     from train.optim_state import OPTIMIZER_DIR
     from train.sharded import gather_share, write_config, write_share
 
@@ -79,7 +83,7 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
     # Every rank decides alike: optimizer state exists after the first step on all ranks or none.
     has_state = all_reduce_sum([1.0 if optimizer_has_state(optimizer) else 0.0], info.device)[0] == info.world_size
     expected: list[str] = []
-    if has_state:
+    if has_state and not defer_optimizer:
         wrote = save_optimizer_state(out, policy, optimizer, info.rank)
         flags = [0.0] * info.world_size
         flags[info.rank] = 1.0 if wrote else 0.0
@@ -107,12 +111,14 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
             write_tokenizer(out, tokenizer_source)
         publish_record(out / TRAINER_STATE, "trainer-state",
                        {**trainer_state, "world_size": info.world_size, "backend": backend,
-                        "has_optimizer_state": has_state, "weights_dtype": str(dtype).removeprefix("torch."),
+                        "has_optimizer_state": has_state, "optimizer_deferred": has_state and defer_optimizer,
+                        "weights_dtype": str(dtype).removeprefix("torch."),
                         "lora": lora_record if use_lora else None},
                        run_id=run_id, generation=0)
         mark_complete(out, iteration=iteration, run_id=run_id, expected=expected)
 
     agreed("writing the checkpoint folder", info, write_main)
+    return has_state
 
 
 def prepare_output_dir(out: Path, info: DistInfo) -> None:

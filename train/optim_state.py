@@ -97,3 +97,48 @@ def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: 
                               f"optimizer") from None
     set_optimizer_state_dict(model, optimizer, sd)
     return len(sd["state"])
+
+
+class OptimizerWrite:
+    """The optimizer state of one iteration on its way to disk while the trainer goes on (a
+    resident trainer, docs/design.md §9.6): `dcp.async_save` copies the state to host memory
+    before it returns (so the next steps, or an offload, may change the originals), then a
+    thread writes each rank's pieces over the gloo group `group`; after that every rank learns who
+    wrote a file, and `finish(files)` runs on this thread (rank 0: marker and publication).
+    `wait()` joins it and raises what it raised."""
+
+    def __init__(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, group, rank: int,
+                 world_size: int, finish) -> None:
+        import threading
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        self.folder = Path(folder)
+        self.error: BaseException | None = None
+        flat, _ = _flat(model, optimizer)
+        self._future = dcp.async_save(flat, storage_writer=HuggingFaceStorageWriter(str(self.folder), save_distributed=True),
+                                      process_group=group)
+        self._thread = threading.Thread(target=self._run, args=(group, rank, world_size, finish),
+                                        name="optimizer-write", daemon=True)
+        self._thread.start()
+
+    def _run(self, group, rank: int, world_size: int, finish) -> None:
+        import torch.distributed as dist
+
+        try:
+            self._future.result()
+            flags = torch.zeros(world_size)
+            flags[rank] = 1.0 if (self.folder / shard_file(rank)).exists() else 0.0
+            dist.all_reduce(flags, group=group)
+            finish([shard_file(r) for r, f in enumerate(flags.tolist()) if f])
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self.error = exc
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise CheckpointError(f"writing the optimizer state to {self.folder} did not finish within {timeout:.0f} s")
+        if self.error is not None:
+            raise CheckpointError(f"writing the optimizer state to {self.folder} failed: "
+                                  f"{type(self.error).__name__}: {self.error}") from None

@@ -114,6 +114,20 @@ class ResidentTrainer:
                 on_tick()
             time.sleep(backoff.next())
 
+    def close(self, timeout: float) -> None:
+        """At the end of a run: order the trainer to stop, so it first finishes writing the last
+        iteration's optimizer state (docs/design.md §9.6), and wait up to `timeout` seconds for it
+        to exit; then stop whatever is left of its group."""
+        if self.alive() is not None:
+            self.order(stop=True)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the resident trainer %s did not stop within %.0f s of its stop order; stopping its "
+                            "process group (the next run that trains replays the last iteration to make its "
+                            "optimizer state again)", self.launch_id, timeout)
+        self.stop()
+
     def stop(self) -> None:
         """Stop the trainer's process group (SIGTERM, then SIGKILL); returns when it is reaped."""
         if self.proc is not None:

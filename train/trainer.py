@@ -29,6 +29,7 @@ import click
 
 from coordination import log
 from coordination.checkpoints import CheckpointError, is_complete
+from coordination.clock import Backoff
 from coordination.config import ConfigError, from_dict
 from coordination.layout import RunLayout
 from coordination.records import read_record, restrict_umask
@@ -59,6 +60,7 @@ class Held:
     pad_id: int
     iteration: int             # the checkpoint iteration the weights are (the next plan's input)
     offload: Any = None        # train.offload.ResidentOffload once created
+    pending: Any = None        # train.optim_state.OptimizerWrite of the last iteration, until settled
 
 
 def load_held(plan: dict[str, Any], cfg, info) -> Held:
@@ -98,21 +100,18 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     return Held(cfg, plan["config"], t, reference, opt_step, pad_id, int(plan["input_iteration"]))
 
 
-def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> dict[str, Any]:
-    """Collective: train the plan's steps on `held`, write the complete checkpoint folder into the
-    attempt's staging folder, then this rank's result record (so every result means "staged").
-    Publication (rename into checkpoints/, LATEST) is phase 11's. Returns the result's data."""
+def train_steps(held: Held, plan: dict[str, Any], layout, iteration: int, info) -> list[dict[str, Any]]:
+    """Collective: the plan's optimizer steps on `held`, seeded as every mode seeds them (so a
+    resident trainer, a per-iteration one and a replay compute the same numbers)."""
     import torch
 
     from train.batches import collate, read_shard
     from train.distributed import agreed
-    from train.export import prepare_output_dir, save_checkpoint
     from train.optim import config_lr
     from train.step import StepSettings, train_step
 
-    started = time.monotonic()
     cfg, t = held.cfg, held.t
-    steps, run_id = plan["steps"], plan["run_id"]
+    steps = plan["steps"]
     torch.manual_seed(_seed(plan["seed"], iteration))  # the same seed whether the trainer was resident or not
 
     def load_shard():
@@ -122,11 +121,6 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
         return read_shard(layout.training_dir(iteration) / entry["file"], entry["sha256"])
 
     shard = agreed("loading the training shard", info, load_shard)
-    staging = layout.checkpoint_staging(iteration, attempt)
-    if not steps:
-        _log.info("the plan has no steps (%s): republishing the input weights as iteration %d",
-                  plan.get("zero_steps_reason"), iteration)
-    agreed("preparing the staging folder", info, lambda: prepare_output_dir(staging, info))
     settings = StepSettings(algorithm=cfg.algorithm, backend=cfg.backend, dtype=t.dtype,
                             temperature=plan["temperature"] if plan["temperature"] > 0 else 1.0,
                             clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef,
@@ -142,26 +136,102 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
         history.append(metrics.as_dict())
         if info.is_main:
             _log.info(metrics.line(f"iter {iteration} step {s + 1}/{len(steps)} (optimizer step {held.opt_step})"))
+    return history
 
+
+def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, attempt: int, info, *,
+                    defer_optimizer: bool = False) -> dict[str, Any]:
+    """Collective: train the plan's steps on `held`, write the complete checkpoint folder into the
+    attempt's staging folder, then this rank's result record (so every result means "staged").
+    Publication (rename into checkpoints/, LATEST) is phase 11's. With `defer_optimizer` the folder
+    holds the weights alone and `held.pending` becomes the optimizer state's write
+    (start_optimizer_write). Returns the result's data."""
+    from train.distributed import agreed
+    from train.export import prepare_output_dir, save_checkpoint
+
+    started = time.monotonic()
+    cfg, t = held.cfg, held.t
+    run_id = plan["run_id"]
+    staging = layout.checkpoint_staging(iteration, attempt)
+    if not plan["steps"]:
+        _log.info("the plan has no steps (%s): republishing the input weights as iteration %d",
+                  plan.get("zero_steps_reason"), iteration)
+    agreed("preparing the staging folder", info, lambda: prepare_output_dir(staging, info))
+    history = train_steps(held, plan, layout, iteration, info)
     source = Path(plan["input_checkpoint"])
-    save_checkpoint(staging, policy=t.policy, optimizer=t.optimizer, info=info, backend=cfg.backend, run_id=run_id,
-                    iteration=iteration, tokenizer_source=source,
-                    trainer_state={"optimizer_step": held.opt_step, "iteration": iteration, "algorithm": cfg.algorithm,
-                                   "input_checkpoint": str(source), "input_iteration": plan["input_iteration"]},
-                    lora=cfg.lora, lora_record=t.weights.record)
+    has_state = save_checkpoint(
+        staging, policy=t.policy, optimizer=t.optimizer, info=info, backend=cfg.backend, run_id=run_id,
+        iteration=iteration, tokenizer_source=source,
+        trainer_state={"optimizer_step": held.opt_step, "iteration": iteration, "algorithm": cfg.algorithm,
+                       "input_checkpoint": str(source), "input_iteration": plan["input_iteration"]},
+        lora=cfg.lora, lora_record=t.weights.record, defer_optimizer=defer_optimizer)
     held.iteration = iteration
     data = {"ok": True, "world_size": info.world_size, "pid": os.getpid(), "steps": history, "optimizer_step": held.opt_step,
             "summary": summarise(history, plan, time.monotonic() - started)}
     write_result(layout, iteration, attempt, info.rank, run_id, data)
     if info.is_main:
         _log.info("staged %s (optimizer step %d) in %.1f s", staging, held.opt_step, time.monotonic() - started)
+    if defer_optimizer and has_state:
+        held.pending = start_optimizer_write(held, layout, iteration, attempt, info, run_id)
     return data
+
+
+_write_group = None  # the gloo group of background optimizer writes (one per process, made collectively)
+
+
+def start_optimizer_write(held: Held, layout, iteration: int, attempt: int, info, run_id: str):
+    """Collective: start writing `held`'s optimizer state for checkpoint `iteration` in the
+    background (train.optim_state.OptimizerWrite); rank 0 then marks the folder complete and, once
+    phase 11 has published iter-N, renames it to iter-N/optimizer. Returns the write."""
+    import torch.distributed as dist
+
+    from coordination.checkpoints import mark_complete, publish_optimizer
+    from train.distributed import agreed
+    from train.export import prepare_output_dir
+    from train.optim_state import OptimizerWrite
+
+    global _write_group
+    if _write_group is None:
+        # Its own group: the write's collectives run on a thread while the main thread may use the
+        # default group, and DCP's asynchronous save needs a CPU backend (gloo) even on CUDA.
+        _write_group = dist.new_group(backend="gloo")
+    folder = layout.optimizer_staging(iteration, attempt)
+    agreed("preparing the optimizer staging folder", info, lambda: prepare_output_dir(folder, info))
+    started = time.monotonic()
+
+    def finish(files: list[str]) -> None:
+        if not info.is_main:
+            return
+        hold = os.environ.get("BATON_TEST_HOLD_OPTIMIZER_WRITE", "")  # tests: "N:S" holds iteration N's S seconds
+        if hold and attempt > 0 and int(hold.split(":")[0]) == iteration:
+            time.sleep(float(hold.split(":")[1]))
+        mark_complete(folder, iteration=iteration, run_id=run_id, expected=files)
+        written = time.monotonic() - started
+        backoff = Backoff(0.02, 0.5)
+        while not is_complete(layout.checkpoint(iteration), run_id=run_id):  # phase 11 publishes the weights
+            time.sleep(backoff.next())
+        publish_optimizer(layout, iteration, folder, run_id=run_id)
+        _log.info("optimizer state of iteration %d written in %.2f s in the background, in place %.2f s after "
+                  "the weights were staged", iteration, written, time.monotonic() - started)
+
+    return OptimizerWrite(folder, held.t.policy, held.t.optimizer, group=_write_group, rank=info.rank,
+                          world_size=info.world_size, finish=finish)
+
+
+def settle_optimizer_write(held: Held | None, timeout: float) -> None:
+    """Wait for the optimizer state `held` is writing in the background (the next training step
+    must not start before it is on disk, docs/design.md §9.6); raises what the write raised."""
+    if held is None or held.pending is None:
+        return
+    pending, held.pending = held.pending, None
+    pending.wait(timeout)
 
 
 def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> None:
     """The per-iteration trainer (train.resident=false): build, train once, stage the checkpoint
     (phase 11 publishes it, as for the resident trainer)."""
 
+    ensure_optimizer_state(plan, info, layout, plan["run_id"])
     train_iteration(load_held(plan, from_dict(TrainConfig, plan["config"]), info), plan, layout, iteration, attempt,
                     info)
 
@@ -234,6 +304,12 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
     try:
         while True:
             order = box.next_order()
+            work = not order.get("stop") and not order.get("prepare")
+            iteration, attempt = (int(order["iteration"]), int(order["attempt"])) if work else (None, None)
+            # The last iteration's optimizer state is on disk before anything else happens: before
+            # the next step changes it, a reload drops it, or the process ends. A failure here
+            # fails this order's attempt (the retry's trainers replay that iteration).
+            settle_optimizer_write(held, held.cfg.collective_timeout if held is not None else None)
             if order.get("stop"):
                 _log.info("resident trainer %s: stop ordered after %d orders", launch, box.seq - 1)
                 box.say("stopped")
@@ -246,10 +322,9 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                 info = _process_group(info, prepare, "the early load")
                 box.say("loading", iteration=int(prepare["iteration"]))
                 held = None
-                held = _load_resident(prepare, info)
+                held = _load_resident(prepare, info, layout, run_id)
                 box.say("idle", device_memory_mb=device_memory_mb(info.device))
                 continue
-            iteration, attempt = int(order["iteration"]), int(order["attempt"])
             plan_path = Path(order["plan"])
             plan = read_plan(plan_path, run_id=run_id)
             info = _process_group(info, plan, f"the plan {plan_path}")
@@ -258,13 +333,13 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                 # the plan's input checkpoint and optimizer state (the durable state).
                 box.say("loading", iteration=iteration)
                 held = None
-                held = _load_resident(plan, info)
+                held = _load_resident(plan, info, layout, run_id)
             else:
                 _log.info("resident trainer %s: iteration %d continues the model it holds (input iteration %d)",
                           launch, iteration, held.iteration)
                 held.offload.to_device()
             box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
-            train_iteration(held, plan, layout, iteration, attempt, info)
+            train_iteration(held, plan, layout, iteration, attempt, info, defer_optimizer=True)
             if order.get("offload"):
                 held.offload.to_host()
                 held_mb = device_memory_mb(info.device)
@@ -289,10 +364,43 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
             shutdown()
 
 
-def _load_resident(inputs: dict[str, Any], info) -> Held:
-    """Collective: load_held for a resident trainer, with the offload that can move it to host memory."""
+def ensure_optimizer_state(inputs: dict[str, Any], info, layout, run_id: str) -> None:
+    """Collective: when the input checkpoint's optimizer state never reached the disk (a resident
+    trainer died while writing it in the background), make it again first (the redo rule,
+    docs/design.md §9.6): checkpoint N's plan is replayed from checkpoint N-1 and its state,
+    seeded as before, and the optimizer state it ends with becomes iter-N/optimizer. The weights
+    stay the published ones: the caller then loads them with that state."""
+    from coordination.checkpoints import optimizer_pending
+    from train.data import read_plan
+    from train.distributed import agreed
+
+    source, n = Path(inputs["input_checkpoint"]), int(inputs["input_iteration"])
+    if not agreed("checking the input's optimizer state", info, lambda: optimizer_pending(source, run_id=run_id)):
+        return
+    started = time.monotonic()
+    replay = read_plan(layout.training_plan(n), run_id=run_id)
+    if replay["world_size"] != info.world_size:
+        raise CheckpointError(f"the optimizer state of {source} is missing and its plan was made for "
+                              f"{replay['world_size']} trainer processes, not {info.world_size}: restart with the "
+                              f"nodes of the run, or remove {source} to train iteration {n} again")
+    if info.is_main:
+        _log.warning("the optimizer state of %s is not on disk (its trainer stopped while writing it): replaying "
+                     "iteration %d from %s to make it again", source, n, replay["input_checkpoint"])
+    ensure_optimizer_state(replay, info, layout, run_id)  # no-op: N-1's state was on disk before N trained
+    again = load_held(replay, from_dict(TrainConfig, replay["config"]), info)
+    train_steps(again, replay, layout, n, info)
+    start_optimizer_write(again, layout, n, 0, info, run_id).wait(again.cfg.collective_timeout)
+    if info.is_main:
+        _log.info("replayed iteration %d (optimizer step %d) and wrote its optimizer state in %.1f s",
+                  n, again.opt_step, time.monotonic() - started)
+
+
+def _load_resident(inputs: dict[str, Any], info, layout, run_id: str) -> Held:
+    """Collective: load_held for a resident trainer (after ensure_optimizer_state), with the
+    offload that can move it to host memory."""
     from train.offload import ResidentOffload
 
+    ensure_optimizer_state(inputs, info, layout, run_id)
     held = load_held(inputs, from_dict(TrainConfig, inputs["config"]), info)
     held.offload = ResidentOffload([held.t.model, held.reference], held.t.optimizer, info.device)
     return held
