@@ -123,11 +123,16 @@ def test_worker_killed_mid_rollout_rejoins_with_the_same_command(procs, mounts, 
 
 
 def test_master_killed_mid_training_resumes_with_the_same_command(procs, mounts, assets):
-    """Killed once both trainers of iteration 1 have met: the attempt fails on both nodes and the
-    restarted master's GO asks for attempt 2."""
+    """Killed once its trainer trains iteration 1 (its state record says so, written as phase 10's
+    order starts; the trainers launched at phase 0 have loaded during the rollouts, so a loaded
+    trainer is not yet a training one): the attempt fails on both nodes and the restarted master's
+    GO asks for attempt 2."""
+    from coordination.records import try_read
+    from train.resident import STATE_KIND
+
     def training(run: Run) -> bool:
-        log = run.layout.job("both").log_file(0, "trainer")
-        return log.exists() and "rank 0/2 on" in log.read_text()
+        rec = try_read(run.layout.job("both").trainer_state(0, 0), kind=STATE_KIND)
+        return rec is not None and rec.data["state"] == "training" and rec.data.get("iteration") == 1
 
     run = _kill_restart(procs, mounts, assets, "kill-master", 0, training)
     assert (run.layout.training_dir(1) / "attempt-2").exists(), "the interrupted training attempt was not retried"
