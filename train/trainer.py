@@ -375,6 +375,8 @@ def ensure_optimizer_state(inputs: dict[str, Any], info, layout, run_id: str) ->
     from train.distributed import agreed
 
     source, n = Path(inputs["input_checkpoint"]), int(inputs["input_iteration"])
+    if n == 0:  # the base model: not a checkpoint of this run, nothing of it was written in the background
+        return
     if not agreed("checking the input's optimizer state", info, lambda: optimizer_pending(source, run_id=run_id)):
         return
     started = time.monotonic()
