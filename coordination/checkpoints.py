@@ -243,9 +243,9 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
         keep.add(latest_iter)
     # The newest checkpoint whose optimizer state is on disk stays: while a newer one's state is
     # still being written, a crash makes the trainer replay that newer iteration from it.
-    durable = [i for i in present if not optimizer_pending(layout.checkpoint(i))]
-    if durable:
-        keep.add(durable[-1])
+    durable = next((i for i in reversed(present) if not optimizer_pending(layout.checkpoint(i))), None)
+    if durable is not None:
+        keep.add(durable)
     removed = []
     for iteration in present:
         if iteration in keep or (latest_iter is not None and iteration > latest_iter):
@@ -267,7 +267,7 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
             ident = optimizer_staging_identity(path.name)
             # optimizer state of an iteration no newer than the newest one whose state is in place:
             # moved there already, or left by a writer that died (the replay wrote its own)
-            if ident is not None and durable and ident[0] <= durable[-1]:
+            if ident is not None and durable is not None and ident[0] <= durable:
                 remove_tree(path, ignore_errors=True)
     if removed:
         _log.info("retention removed checkpoints %s (keeping %s)", removed, sorted(keep & set(present)))

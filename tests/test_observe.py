@@ -98,20 +98,23 @@ def test_the_resident_trainer_gets_a_lane_of_its_states_under_its_node(tmp_path)
     assert with_lane.shape[0] > without.shape[0]   # one more lane: the figure grows with its lanes
 
 
+class TensorBoardOnly:
+    """The `logging` config the sink tests use: TensorBoard on, W&B off."""
+
+    tensorboard = True
+
+    class wandb:
+        mode = "disabled"
+
+
 def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     lay = RunLayout(tmp_path)
 
-    class Cfg:
-        tensorboard = True
-
-        class wandb:
-            mode = "disabled"
-
     try:
         for it in (1, 2):
-            sinks.emit(Cfg, lay, {"iteration": it, "eval_accuracy": 0.1 * it, "loss": 1.0 / it,
+            sinks.emit(TensorBoardOnly, lay, {"iteration": it, "eval_accuracy": 0.1 * it, "loss": 1.0 / it,
                                   "rollout_tokens_per_s": {"0": 100.0 * it},
                                   "phase_seconds": {"1": {"10-train": {"work": 5.0, "wait": 1.0}}}})
     finally:
@@ -260,18 +263,12 @@ def test_sinks_write_in_the_background_so_emit_never_waits_for_a_slow_sink(tmp_p
 
     lay = RunLayout(tmp_path)
 
-    class Cfg:
-        tensorboard = True
-
-        class wandb:
-            mode = "disabled"
-
     release = threading.Event()
     try:
         sinks._worker().put(release.wait)  # the sink thread is busy until released
         started = time.monotonic()
         for it in (1, 2, 3):
-            sinks.emit(Cfg, lay, {"iteration": it, "loss": float(it)})
+            sinks.emit(TensorBoardOnly, lay, {"iteration": it, "loss": float(it)})
         assert time.monotonic() - started < 1.0
         assert not lay.tensorboard_dir.exists()  # nothing written while the sink is busy
         release.set()
@@ -292,15 +289,9 @@ def test_close_returns_within_its_timeout_when_a_sink_hangs(tmp_path, caplog):
 
     lay = RunLayout(tmp_path)
 
-    class Cfg:
-        tensorboard = True
-
-        class wandb:
-            mode = "disabled"
-
     hang = threading.Event()
     try:
-        sinks.emit(Cfg, lay, {"iteration": 1, "loss": 1.0})
+        sinks.emit(TensorBoardOnly, lay, {"iteration": 1, "loss": 1.0})
         assert sinks._worker().drain(60) and "tb" in sinks._writers  # TensorBoard opened and written
         sinks._worker().put(hang.wait)  # stands for a finish() that does not come back
         worker = sinks._background

@@ -173,6 +173,22 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
             _kill_trainers_left(_all_trainer_pids(lay, 3))
 
 
+# The kill tests' run: 3 iterations of 64 tasks, small engine calls and chunks (so a kill lands
+# mid-rollout), up to 3 training attempts.
+KILL_RUN = ("run.max_iterations=3", "tasks.tasks_per_iteration=64", "rollout.prompts_per_call=4",
+            "rollout.chunk_groups=2", "train.max_attempts=3")
+
+
+def _start_both(procs, data: Path, model: Path, log: Path, *, env: dict | None = None,
+                names: tuple[str, str] = ("n0", "n1")) -> list[str]:
+    """Start the master and worker 1 of a KILL_RUN; returns the worker's command (to restart it)."""
+    extra = {} if env is None else {"env": env}
+    w_cmd = node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=KILL_RUN)
+    procs.start(names[0], node_cmd(data, model, log, *FLAGS, "--master", overrides=KILL_RUN), **extra)
+    procs.start(names[1], w_cmd, **extra)
+    return w_cmd
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["early", "rollout", "mid-step", "idle", "trainer-only"])
 def test_kill_9_and_restart_with_the_same_command(procs, tmp_path, assets, moment):
@@ -182,11 +198,7 @@ def test_kill_9_and_restart_with_the_same_command(procs, tmp_path, assets, momen
     data, model = assets
     log = fresh_log(tmp_path)
     lay = RunLayout(log)
-    over = ("run.max_iterations=3", "tasks.tasks_per_iteration=64", "rollout.prompts_per_call=4",
-            "rollout.chunk_groups=2", "train.max_attempts=3")
-    w_cmd = node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=over)
-    procs.start("n0", node_cmd(data, model, log, *FLAGS, "--master", overrides=over))
-    procs.start("n1", w_cmd)
+    w_cmd = _start_both(procs, data, model, log)
     seen: set[int] = set()
     try:
         if moment == "early":  # iteration 1, once the trainer launched at phase 0 runs, before it trained
@@ -235,21 +247,17 @@ def test_a_node_killed_while_the_optimizer_state_is_written_replays_that_iterati
     checkpoint 1 without it, replay iteration 1 from the base model, and the run ends with exact
     counts, optimizer steps 2, 4, 6, and every checkpoint's optimizer state complete with AdamW's
     step count at 2 x its iteration."""
-    from coordination.checkpoints import is_complete
-    from tests.procs import env
     import torch
 
+    from coordination.checkpoints import is_complete
+    from tests.procs import env
     from tests.train_support import optimizer_steps, optimizer_tensors
 
     data, model = assets
     log = fresh_log(tmp_path)
     lay = RunLayout(log)
-    over = ("run.max_iterations=3", "tasks.tasks_per_iteration=64", "rollout.prompts_per_call=4",
-            "rollout.chunk_groups=2", "train.max_attempts=3")
-    w_cmd = node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=over)
     hold = env(BATON_TEST_HOLD_OPTIMIZER_WRITE="1:40")  # on every node: either may host trainer rank 0
-    procs.start("n0", node_cmd(data, model, log, *FLAGS, "--master", overrides=over), env=hold)
-    procs.start("n1", w_cmd, env=hold)
+    w_cmd = _start_both(procs, data, model, log, env=hold)
     seen: set[int] = set()
     state = lay.checkpoint(1) / "optimizer"
     try:
@@ -277,8 +285,7 @@ def test_a_node_killed_while_the_optimizer_state_is_written_replays_that_iterati
         assert _kill_trainers_left(seen) == [], "a trainer process outlived its run"
         # The same run without the kill: the replayed state led to the same weights and state.
         ref = RunLayout(fresh_log(tmp_path, "uninterrupted"))
-        procs.start("r0", node_cmd(data, model, ref.root, *FLAGS, "--master", overrides=over))
-        procs.start("r1", node_cmd(data, model, ref.root, *FLAGS, "--worker", "1", overrides=over))
+        _start_both(procs, data, model, ref.root, names=("r0", "r1"))
         assert procs.wait("r0", 900) == 0 and procs.wait("r1", 60) == 0, procs.log("r0")[-3000:]
         wa, wb = _weights(lay.checkpoint(3)), _weights(ref.checkpoint(3))
         assert set(wa) == set(wb)
