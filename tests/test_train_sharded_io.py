@@ -5,6 +5,8 @@
   batch, write the full float32 weights it holds now (`OUT/trained.safetensors`, the reference)
   and the checkpoint folder `OUT/ckpt` through save_checkpoint (every rank writes its share);
 - `logits`: load MODEL sharded and write the log-probabilities of the batch (`OUT/logits.safetensors`);
+  with LoRA settings MODEL may be a LoRA checkpoint (its base and adapters are loaded);
+- `reference`: load MODEL as the KL reference (load_reference + make_reference) and write the same;
 - `resume`: load the checkpoint MODEL with its optimizer state (resharded to this world size),
   train the same step again, write the weights (`OUT/next-TAG.safetensors`); `fresh` does the same
   without the optimizer state, to show that the state matters.
@@ -73,18 +75,25 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
     try:
         cfg = _config(extra)
         torch.manual_seed(0)
-        loaded = load_model(cfg, model, None)
-        assert loaded.sharded, "the sharded load path was not taken"
-        t = make_trainable(loaded, cfg, info)
-        if mode == "logits":
-            rows = _rows(t.policy.lm.config.vocab_size)
-            from train.batches import collate
+        if mode == "reference":
+            from train.build import load_reference, make_reference
+            from train.model import compute_dtype
 
-            mb = collate(rows, pad_id=0)
-            with torch.no_grad():
-                logp, _ = t.model(mb.input_ids, mb.attention_mask, mb.targets)
-            if info.is_main:
-                save_file({"logp": logp.float().contiguous()}, str(out / "logits.safetensors"))
+            loaded = load_reference(cfg, model)
+            assert loaded.sharded, "the sharded load path was not taken"
+            ref = make_reference(loaded, cfg, info, compute_dtype(cfg.dtype, info.device))
+            assert not any(p.requires_grad for p in ref.parameters())
+            _write_logits(ref, loaded.lm.config.vocab_size, out, info)
+            return
+        loaded = load_model(cfg, model, read_trainer_state(model))
+        assert loaded.sharded, "the sharded load path was not taken"
+        if cfg.lora.rank:   # the adapters' full values ride along: every rank the same
+            assert loaded.extra and all("lora_" in n for n in loaded.extra), sorted(loaded.extra or ())
+        t = make_trainable(loaded, cfg, info)
+        if cfg.lora.rank:
+            assert len(t.params) == len(loaded.extra) and all(p.requires_grad for p in t.params)
+        if mode == "logits":
+            _write_logits(t.model, t.policy.lm.config.vocab_size, out, info)
             return
         if mode == "publish":
             _step(t, cfg, info)
@@ -96,7 +105,8 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
             dist.barrier()
             save_checkpoint(staging, policy=t.policy, optimizer=t.optimizer, info=info, backend=cfg.backend,
                             run_id=RUN_ID, iteration=1, tokenizer_source=model,
-                            trainer_state={"optimizer_step": 1, "iteration": 1})
+                            trainer_state={"optimizer_step": 1, "iteration": 1},
+                            lora=cfg.lora, lora_record=t.weights.record)
             return
         if mode == "async-publish":
             # A resident trainer's order: weights first, then the optimizer state in the background
@@ -133,6 +143,29 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
         shutdown()
 
 
+def _write_logits(model, vocab_size: int, out: Path, info) -> None:
+    from safetensors.torch import save_file
+
+    from train.batches import collate
+
+    mb = collate(_rows(vocab_size), pad_id=0)
+    with torch.no_grad():
+        logp, _ = model(mb.input_ids, mb.attention_mask, mb.targets)
+    if info.is_main:
+        save_file({"logp": logp.float().contiguous()}, str(out / "logits.safetensors"))
+
+
+def _plain_logits(lm) -> torch.Tensor:
+    from train.batches import collate
+    from train.model import Policy
+
+    plain = Policy(lm)
+    mb = collate(_rows(lm.config.vocab_size), pad_id=0)
+    with torch.no_grad():
+        want, _ = plain(mb.input_ids, mb.attention_mask, mb.targets)
+    return want
+
+
 def _launch(mode: str, model: Path, out: Path, world: int, tag: str = "", extra: dict | None = None,
             timeout: float = 300.0) -> None:
     args = [mode, str(model), str(out), tag or "-", json.dumps(extra or {})]
@@ -159,17 +192,51 @@ def base(tmp_path_factory) -> Path:
     return ts.make_tiny(tmp_path_factory.mktemp("base") / "tiny", layers=2)
 
 
-def test_sharded_load_on_two_processes_gives_the_logits_of_a_plain_load(base, tmp_path):
-    from train.batches import collate
-    from train.model import Policy, load_causal_lm
+@pytest.mark.parametrize("mode", ["logits", "reference"])
+def test_sharded_load_on_two_processes_gives_the_logits_of_a_plain_load(base, tmp_path, mode):
+    """The policy (load_model) and the KL reference (load_reference) alike."""
+    from train.model import load_causal_lm
 
-    _launch("logits", base, tmp_path, 2)
-    plain = Policy(load_causal_lm(base))
-    mb = collate(_rows(plain.lm.config.vocab_size), pad_id=0)
-    with torch.no_grad():
-        want, _ = plain(mb.input_ids, mb.attention_mask, mb.targets)
+    _launch(mode, base, tmp_path, 2)
     got = _load(tmp_path / "logits.safetensors")["logp"]
-    assert (got - want).abs().max().item() <= TOL
+    assert (got - _plain_logits(load_causal_lm(base))).abs().max().item() <= TOL
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def test_lora_on_a_sharded_load_trains_the_adapters_and_resumes_them_on_two_processes(base, tmp_path):
+    """LoRA on the meta skeleton: the base shards come from the files, the adapters (peft's start
+    values, then a checkpoint's) are copied in, each rank its slice. One step on 2 ranks moves
+    the adapters and nothing else; loading that checkpoint (base + adapters) sharded on 2 ranks
+    gives the logits of transformers' full load with peft's adapters."""
+    from safetensors.torch import load_file
+
+    from coordination.config import from_dict
+    from train.config import LoRAConfig
+    from train.lora import inject_adapters
+    from train.model import load_causal_lm
+
+    _launch("publish", base, tmp_path, 2, extra={"lora": LORA})
+    ckpt = tmp_path / "ckpt"
+    adapters = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    assert len(adapters) == 2 * 3 * 2   # A and B, 3 targets, 2 layers
+    for name, value in adapters.items():
+        assert value.abs().max() > 0, name        # B moved off its start value 0 in the step
+        if "lora_A" in name:   # peft's start values, not one rank's slice repeated on the other
+            half = value.shape[0] // 2
+            assert not torch.equal(value[:half], value[half:]), name
+    trained = _load(tmp_path / "trained.safetensors")
+    start = load_file(str(base / "model.safetensors"))
+    in_file = {n.replace(".base_layer.", "."): n for n in trained if "lora_" not in n}
+    assert set(start) <= set(in_file)
+    for name, value in start.items():   # the frozen base, sharded load and gather, is the file's
+        assert torch.equal(trained[in_file[name]], value), name
+    _launch("logits", ckpt, tmp_path, 2, extra={"lora": LORA})
+    lm = load_causal_lm(base)
+    inject_adapters(lm, from_dict(LoRAConfig, LORA), ckpt / "adapter")
+    got = _load(tmp_path / "logits.safetensors")["logp"]
+    assert (got - _plain_logits(lm)).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

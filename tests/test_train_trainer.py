@@ -61,6 +61,25 @@ def test_training_publishes_a_checkpoint_that_transformers_loads_with_changed_pa
     assert _log(layout, "iter1.log").count("optimizer step") >= 4   # one line per step
 
 
+def test_the_kl_reference_is_the_base_model_and_pulls_the_update_towards_it(base, first_iteration, tmp_path):
+    """train.kl_coef > 0: the reference (the base, loaded sharded like the policy) equals the
+    policy before the first step, so that step's KL is 0 up to float32 rounding of identical
+    arithmetic; later steps see a KL above 0, and the update differs from the run without it."""
+    layout = RunLayout(tmp_path)
+    ts.write_trajectories(layout, 1, base)
+    plan = ts.prepare(layout, 1, base, 0, reference_model=base, kl_coef=0.5)
+    rc = ts.run_module("train.trainer", ["--plan", str(plan)], tmp_path / "iter1.log")
+    assert rc == 0, (tmp_path / "iter1.log").read_text()
+    ts.publish(plan)
+    steps = read_record(layout.training_result(1, 1, 0), kind="training-result").data["steps"]
+    assert len(steps) == 4
+    assert abs(steps[0]["kl"]) <= 1e-6 and all(s["kl"] > 1e-6 for s in steps[1:]), [s["kl"] for s in steps]
+    plain_layout, _, plain_rc = first_iteration
+    assert plain_rc == 0
+    with_kl, without = ts.load_weights(layout.checkpoint(1)), ts.load_weights(plain_layout.checkpoint(1))
+    assert any(not torch.equal(v, without[k]) for k, v in with_kl.items())
+
+
 def test_rerun_of_a_published_iteration_exits_zero_without_training(first_iteration):
     layout, plan, _ = first_iteration
     weights = layout.checkpoint(1) / "model.safetensors"

@@ -126,7 +126,7 @@ def publish(plan: Path, attempt: int = 1) -> Path:
 
 
 def prepare(layout: RunLayout, iteration: int, input_checkpoint: Path, input_iteration: int, *, world_size: int = 1,
-            **cfg) -> Path:
+            reference_model: Path | None = None, **cfg) -> Path:
     from coordination.records import create_record
     from train.config import TrainConfig
     from train.data import prepare_training_data
@@ -136,7 +136,8 @@ def prepare(layout: RunLayout, iteration: int, input_checkpoint: Path, input_ite
     create_record(layout.run_json, "run", {"config_hash": "test", "created_by": "tests"}, run_id="run-t",
                   generation=0)
     return prepare_training_data(layout, iteration, TrainConfig(**cfg), run_id="run-t", world_size=world_size,
-                                 temperature=1.0, input_checkpoint=input_checkpoint, input_iteration=input_iteration)
+                                 temperature=1.0, input_checkpoint=input_checkpoint, input_iteration=input_iteration,
+                                 reference_model=reference_model)
 
 
 def load_weights(folder: Path) -> dict:

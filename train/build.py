@@ -54,30 +54,56 @@ class Loaded:
     lm: nn.Module
     weights: WeightsSource
     sharded: bool = False  # parameters on the meta device until make_trainable fills this rank's shard
+    extra: dict[str, torch.Tensor] | None = None  # sharded: full values of parameters not in the files (LoRA)
+
+
+def meta_skeleton(folder: Path, attn: str) -> nn.Module | None:
+    """`folder`'s model with its parameters on the meta device when its safetensors files hold every
+    parameter under the model's own names, else None (the caller loads it whole: .bin weights, or
+    names that only transformers' loading converts)."""
+    from train.sharded import build_on_meta, can_load_sharded, missing_names
+
+    if not can_load_sharded(folder):
+        return None
+    skeleton = build_on_meta(folder, attn)
+    missing = missing_names(skeleton, folder)
+    if not missing:
+        return skeleton
+    _log.warning("loading the whole model on every rank: %s stores weights under other names than the "
+                 "model's parameters (e.g. %s), which only transformers' own loading converts", folder, missing[0])
+    return None
 
 
 def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | None) -> Loaded:
     """This rank's copy of the weights to train (with LoRA adapters injected when configured).
 
-    Without LoRA and with safetensors weights the model is only a skeleton on the meta device
-    here; make_trainable fills each rank's shard after FSDP2 (docs/design.md §11.4). LoRA keeps
-    the full load: peft initialises and loads the adapters on real base weights."""
+    With safetensors weights the model is only a skeleton on the meta device here; make_trainable
+    fills each rank's shard after FSDP2 (docs/design.md §11.4). LoRA adapters are injected into the
+    skeleton and get host memory and their values (fresh, or the checkpoint's) at once: they are
+    small, and each rank later keeps its slice."""
     from train.model import load_causal_lm
-    from train.sharded import build_on_meta, can_load_sharded, missing_names
 
     weights = weights_source(cfg.lora, Path(source), trainer_state)
-    if not cfg.lora.rank and can_load_sharded(weights.base):
-        skeleton = build_on_meta(weights.base, cfg.attn)
-        missing = missing_names(skeleton, weights.base)
-        if not missing:
-            return Loaded(skeleton, weights, sharded=True)
-        _log.warning("loading the whole model on every rank: %s stores weights under other names than the "
-                     "model's parameters (e.g. %s), which only transformers' own loading converts",
-                     weights.base, missing[0])
-    lm = load_causal_lm(weights.base, cfg.attn)
+    lm = meta_skeleton(weights.base, cfg.attn)
+    sharded = lm is not None
+    if lm is None:
+        lm = load_causal_lm(weights.base, cfg.attn)
     if cfg.lora.rank:
         inject_adapters(lm, cfg.lora, weights.adapter)
-    return Loaded(lm, weights)
+    extra = {n: p.detach().clone() for n, p in lm.named_parameters() if not p.is_meta} if sharded else None
+    return Loaded(lm, weights, sharded=sharded, extra=extra or None)
+
+
+def load_reference(cfg: TrainConfig, folder: Path) -> Loaded:
+    """The frozen reference model of the KL penalty (the run's base model), loaded as load_model
+    loads the policy: a meta skeleton whose shards make_reference fills, when the files allow."""
+    from train.model import load_causal_lm
+
+    weights = WeightsSource(Path(folder), None, False, None)
+    lm = meta_skeleton(weights.base, cfg.attn)
+    if lm is not None:
+        return Loaded(lm, weights, sharded=True)
+    return Loaded(load_causal_lm(weights.base, cfg.attn), weights)
 
 
 @dataclass
@@ -133,6 +159,22 @@ def parallelize(policy, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) ->
                              cpu_offload=cfg.fsdp_cpu_offload)
 
 
+def parallelize_loaded(policy, loaded: Loaded, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
+    """Collective: parallelize `policy` (built on `loaded.lm`) and, for a sharded load, fill its
+    parameters: after FSDP2 each rank reads only its shards; DDP replicates, so every rank reads
+    all of it before wrapping."""
+    from train.sharded import materialize
+
+    if loaded.sharded and cfg.backend != "fsdp":
+        materialize(policy, loaded.weights.base, info.device, loaded.extra)
+    model = parallelize(policy, cfg, info, dtype)
+    if loaded.sharded and cfg.backend == "fsdp":
+        # FSDP2's CPU offload keeps the shards in host memory; otherwise they live on the device.
+        device = torch.device("cpu") if cfg.fsdp_cpu_offload else info.device
+        materialize(policy, loaded.weights.base, device, loaded.extra)
+    return model
+
+
 def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainable:
     """Collective: apply the levers and the parallelism, build the optimizer."""
     from train.model import compute_dtype, trainable_parameters
@@ -140,16 +182,7 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
 
     dtype = compute_dtype(cfg.dtype, info.device)
     policy, checkpointed, act_offload = make_policy(loaded.lm, cfg, info, trainable=True)
-    if loaded.sharded and cfg.backend != "fsdp":
-        from train.sharded import materialize
-
-        materialize(policy, loaded.weights.base, info.device)  # DDP replicates: every rank reads it all
-    model = parallelize(policy, cfg, info, dtype)
-    if loaded.sharded and cfg.backend == "fsdp":
-        from train.sharded import materialize
-
-        # FSDP2's CPU offload keeps the shards in host memory; otherwise they live on the device.
-        materialize(policy, loaded.weights.base, torch.device("cpu") if cfg.fsdp_cpu_offload else info.device)
+    model = parallelize_loaded(policy, loaded, cfg, info, dtype)
     # The dtype a checkpoint of this policy is published in (train/export.py): what it computes in.
     policy.serving_dtype = dtype
     params = trainable_parameters(policy)
@@ -175,8 +208,11 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
     return Trainable(policy, model, optimizer, params, dtype, loaded.weights, checkpointed, act_offload, opt_offload)
 
 
-def make_reference(ref_lm: nn.Module, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
-    """The frozen reference policy of the KL penalty: same parallelism and LM head, no training levers."""
-    ref_lm.requires_grad_(False)
-    policy, _, _ = make_policy(ref_lm, cfg, info, trainable=False)
-    return parallelize(policy, cfg, info, dtype).eval()
+def make_reference(loaded: Loaded, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
+    """Collective: the frozen reference policy of the KL penalty (from load_reference): same
+    parallelism and LM head, no training levers."""
+    loaded.lm.requires_grad_(False)
+    policy, _, _ = make_policy(loaded.lm, cfg, info, trainable=False)
+    model = parallelize_loaded(policy, loaded, cfg, info, dtype)
+    policy.requires_grad_(False)  # materialize allocates new parameters, which require gradients
+    return model.eval()

@@ -107,6 +107,7 @@ def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int
     except ValueError as exc:
         raise CheckpointError(f"cannot add LoRA adapters to {type(lm).__name__}: {exc}; check "
                               f"train.lora.target_modules against the model's layer names") from None
+    fresh_adapters_on_host(lm)
     if adapter is not None:
         path = adapter / "adapter_model.safetensors"
         if not path.exists():
@@ -119,6 +120,28 @@ def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int
     if peft_model.base_model.model is not lm:
         raise RuntimeError("peft did not inject the adapters in place; the trainer relies on it")
     return sum(p.numel() for p in lm.parameters() if p.requires_grad)
+
+
+def fresh_adapters_on_host(lm: nn.Module) -> int:
+    """On a model built on the meta device (train/sharded.py) peft puts the new adapters on the
+    base layers' device, so they hold no values; give them host memory and peft's own start
+    values (A as nn.Linear's default, B = 0). They are small: the sharded load copies each rank's
+    slice of them into place. Returns the number of layers so treated."""
+    from peft.tuners.lora import LoraLayer
+
+    done = 0
+    for module in lm.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = [getattr(module, name) for name in module.adapter_layer_names]
+        if not any(p.is_meta for a in adapters for p in a.parameters()):
+            continue
+        for a in adapters:
+            a.to_empty(device="cpu")
+        for name in module.active_adapters:
+            module.reset_lora_parameters(name, True)
+        done += 1
+    return done
 
 
 def publish_lora(config, cfg: LoRAConfig, base: Path, state_dict: dict[str, torch.Tensor],

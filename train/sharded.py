@@ -74,10 +74,11 @@ def stored_names(folder: Path) -> set[str]:
     return names
 
 
-def missing_names(lm: nn.Module, folder: Path) -> list[str]:
-    """Parameters of `lm` that `folder`'s files do not hold under the module's own names (a model
-    whose checkpoints use other names is loaded by transformers, which converts them)."""
-    return sorted({file_key(n) for n, _ in lm.named_parameters()} - stored_names(folder))
+def missing_names(lm: nn.Module, folder: Path, besides: frozenset[str] = frozenset()) -> list[str]:
+    """Parameters of `lm` (other than those named in `besides`) that `folder`'s files do not hold
+    under the module's own names (a model whose checkpoints use other names is loaded by
+    transformers, which converts them)."""
+    return sorted({file_key(n) for n, _ in lm.named_parameters() if n not in besides} - stored_names(folder))
 
 
 def build_on_meta(folder: Path, attn: str) -> nn.Module:
@@ -168,9 +169,11 @@ def file_key(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def materialize(policy, folder: Path, device: torch.device) -> int:
+def materialize(policy, folder: Path, device: torch.device, extra: dict[str, torch.Tensor] | None = None) -> int:
     """Collective: allocate the (sharded) parameters of a meta-built `policy` on `device` and fill
-    them from `folder`'s safetensors. Returns the number of tensors read. Buffers keep the values
+    them from `folder`'s safetensors, except those `extra` holds (full values under the names of
+    `policy.lm`'s parameters: LoRA adapters, which are not in the base model's files), which are
+    copied in, each rank its slice. Returns the number of tensors read. Buffers keep the values
     computed at build time."""
     import torch.distributed.checkpoint as dcp
 
@@ -188,8 +191,14 @@ def materialize(policy, folder: Path, device: torch.device) -> int:
     with torch.no_grad():
         for n, b in policy.named_buffers():
             b.copy_(buffers[n])
-    targets = {file_key(n): p for n, p in policy.lm.named_parameters()}
-    missing = missing_names(policy.lm, folder)
+    extra = extra or {}
+    named = dict(policy.lm.named_parameters())
+    if set(extra) - set(named):
+        raise ValueError(f"no parameters {sorted(set(extra) - set(named))[:3]} in the model to fill")
+    for name, value in extra.items():
+        place_full(named[name], value)
+    targets = {file_key(n): p for n, p in named.items() if n not in extra}
+    missing = missing_names(policy.lm, folder, frozenset(extra))
     if missing:
         raise CheckpointError(f"{folder} has no weights for {missing[:3]} ({len(missing)} missing); it is not a "
                               f"checkpoint of this model (config.json and the safetensors files disagree)")
@@ -203,6 +212,20 @@ def materialize(policy, folder: Path, device: torch.device) -> int:
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
     return len(targets)
+
+
+def place_full(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the full tensor `value` into `param`: all of it into a plain tensor, this rank's slice
+    into a DTensor (FSDP2's shard: the same slicing as the sharding, no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = distribute_tensor(value, param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(value)
 
 
 def owners(sizes: list[int], world_size: int) -> list[int]:

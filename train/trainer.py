@@ -68,10 +68,9 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     apply the levers and the parallelism."""
     import torch
 
-    from train.build import load_model, make_reference, make_trainable, preflight
+    from train.build import load_model, load_reference, make_reference, make_trainable, preflight
     from train.distributed import agreed
     from train.export import read_trainer_state
-    from train.model import load_causal_lm
     from train.optim_state import load_optimizer_state
 
     agreed("checking the trainer settings", info, lambda: preflight(cfg, info))
@@ -80,13 +79,13 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     use_ref = cfg.kl_coef > 0
 
     def load_inputs():
-        ref = load_causal_lm(Path(plan["reference_model"]), cfg.attn) if use_ref else None
+        ref = load_reference(cfg, Path(plan["reference_model"])) if use_ref else None
         state = read_trainer_state(source)
         return load_model(cfg, source, state), state, ref
 
-    loaded, state, ref_lm = agreed("loading the input checkpoint", info, load_inputs)
+    loaded, state, ref = agreed("loading the input checkpoint", info, load_inputs)
     t = make_trainable(loaded, cfg, info)
-    reference = make_reference(ref_lm, cfg, info, t.dtype) if ref_lm is not None else None
+    reference = make_reference(ref, cfg, info, t.dtype) if ref is not None else None
     resumed = state is not None and bool(state.get("has_optimizer_state")) and t.weights.resume_optimizer
     if resumed:
         load_optimizer_state(source, t.optimizer, t.policy)  # collective (DCP); resharded to this world size
