@@ -208,8 +208,9 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_pr
 def test_lora_on_a_sharded_load_trains_the_adapters_and_resumes_them_on_two_processes(base, tmp_path):
     """LoRA on the meta skeleton: the base shards come from the files, the adapters (peft's start
     values, then a checkpoint's) are copied in, each rank its slice. One step on 2 ranks moves
-    the adapters and nothing else; loading that checkpoint (base + adapters) sharded on 2 ranks
-    gives the logits of transformers' full load with peft's adapters."""
+    the adapters and nothing else; both ranks publish their share of the merged weights; loading
+    that checkpoint (base + adapters) sharded on 2 ranks gives the logits of transformers' full
+    load with peft's adapters."""
     from safetensors.torch import load_file
 
     from coordination.config import from_dict
@@ -232,6 +233,18 @@ def test_lora_on_a_sharded_load_trains_the_adapters_and_resumes_them_on_two_proc
     assert set(start) <= set(in_file)
     for name, value in start.items():   # the frozen base, sharded load and gather, is the file's
         assert torch.equal(trained[in_file[name]], value), name
+    # Both ranks published their share of the merged weights: base + scale * B @ A under plain names.
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    merged = ts.load_weights(ckpt)
+    assert merged.keys() == start.keys() == set(index["weight_map"])
+    for name, value in start.items():
+        prefix = "base_model.model." + name.removesuffix(".weight")
+        a = adapters.get(prefix + ".lora_A.weight")
+        want = value if a is None else value + LORA["alpha"] / LORA["rank"] * adapters[prefix + ".lora_B.weight"] @ a
+        assert (merged[name] - want).abs().max().item() <= TOL, name
+    assert sum(1 for n in start if "base_model.model." + n.removesuffix(".weight") + ".lora_A.weight" in adapters) == 6
     _launch("logits", ckpt, tmp_path, 2, extra={"lora": LORA})
     lm = load_causal_lm(base)
     inject_adapters(lm, from_dict(LoRAConfig, LORA), ckpt / "adapter")

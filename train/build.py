@@ -23,7 +23,7 @@ from torch import nn
 from coordination.config import ConfigError
 from train.config import CompileConfig, TrainConfig
 from train.distributed import DistInfo
-from train.lora import WeightsSource, inject_adapters, weights_source
+from train.lora import WeightsSource, inject_adapters, merge_sources, weights_source
 from train.offload import ActivationOffload, OptimizerStateOffload
 
 _log = logging.getLogger("baton.train.build")
@@ -90,6 +90,8 @@ def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | N
         lm = load_causal_lm(weights.base, cfg.attn)
     if cfg.lora.rank:
         inject_adapters(lm, cfg.lora, weights.adapter)
+        if cfg.lora.publish == "merged":
+            merge_sources(lm)   # refuses adapters it could not merge now, not after training
     extra = {n: p.detach().clone() for n, p in lm.named_parameters() if not p.is_meta} if sharded else None
     return Loaded(lm, weights, sharded=sharded, extra=extra or None)
 

@@ -10,9 +10,9 @@ Who writes what (docs/design.md §11.4):
   a kill) anywhere leaves a folder without a marker, which publication refuses.
 
 With LoRA (train/lora.py) rank 0 writes the adapters to `adapter/` and, unless
-`lora.publish=adapters`, the merged full weights from a gathered float32 state dict (peft merges
-on one full copy); `trainer_state.json` records the LoRA settings and the base model the
-adapters belong to.
+`lora.publish=adapters`, every rank writes its share of the full weights with the adapters
+merged into each base weight by its owner; `trainer_state.json` records the LoRA settings and
+the base model the adapters belong to.
 """
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ from coordination.records import NotThereYet, ensure_dir, publish_record, read_r
 from coordination.checkpoints import TRAINER_STATE, mark_complete
 from train.config import LoRAConfig
 from train.distributed import DistInfo, agreed, all_reduce_sum
-from train.lora import publish_lora
+from train.lora import merge_sources, write_adapters
 from train.model import Policy
 from train.optim_state import has_state as optimizer_has_state, save_optimizer_state, shard_file
-from train.parallel import full_state_dict
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any] | None:
@@ -76,7 +75,7 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
     follows (`optimizer_deferred`): the caller writes it into optimizer/ later (OptimizerWrite).
     Returns whether the optimizer has state (so there is something to write)."""
     from train.optim_state import OPTIMIZER_DIR
-    from train.sharded import gather_share, write_config, write_share
+    from train.sharded import gather_adapters, gather_share, write_config, write_share
 
     use_lora = lora is not None and bool(lora.rank)
     reshard(policy)
@@ -90,10 +89,11 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
         expected += [f"{OPTIMIZER_DIR}/{shard_file(r)}"
                      for r, f in enumerate(all_reduce_sum(flags, info.device)) if f]
     dtype = getattr(policy, "serving_dtype", torch.float32)
-    if use_lora:
-        state_dict = full_state_dict(policy)
-    else:
-        share = gather_share(policy, info.rank, info.world_size, dtype)
+    adapters = gather_adapters(policy, info.rank) if use_lora else {}
+    full_weights = not use_lora or lora.publish == "merged"
+    if full_weights:
+        share = gather_share(policy, info.rank, info.world_size, dtype,
+                             merge=merge_sources(policy.lm) if use_lora else None)
         expected += share.files
         agreed("writing the weights", info, lambda: write_share(share, out, info.rank))
 
@@ -101,14 +101,10 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
         if not info.is_main:
             return
         if use_lora:
-            weights = publish_lora(policy.lm.config, lora, Path(lora_record["base"]), state_dict, out)
-            if weights is not None:
-                write_hf_folder(policy, weights, out, tokenizer_source)
-            else:
-                write_tokenizer(out, tokenizer_source)
-        else:
+            write_adapters(policy.lm.config, lora, Path(lora_record["base"]), adapters, out)
+        if full_weights:
             write_config(policy, out, dtype)
-            write_tokenizer(out, tokenizer_source)
+        write_tokenizer(out, tokenizer_source)
         publish_record(out / TRAINER_STATE, "trainer-state",
                        {**trainer_state, "world_size": info.world_size, "backend": backend,
                         "has_optimizer_state": has_state, "optimizer_deferred": has_state and defer_optimizer,

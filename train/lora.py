@@ -10,8 +10,9 @@ records the base it was trained on (trainer_state.json, `lora.base`) and holds t
 `adapter/` (peft's format: adapter_config.json + adapter_model.safetensors, which vLLM's
 /v1/load_lora_adapter accepts). The next iteration loads that base, loads the adapters and
 resumes their Adam state. What the checkpoint serves depends on `lora.publish`: `merged` writes
-the full weights with the adapters merged (peft `merge_and_unload` on a gathered copy on rank 0),
-so the inference engine serves it as any checkpoint; `adapters` writes only `adapter/`.
+the full weights with the adapters merged (each base weight merged by the rank that publishes it,
+train/sharded.py, as peft's merge computes it), so the inference engine serves it as any
+checkpoint; `adapters` writes only `adapter/` (rank 0, from the gathered adapters).
 """
 from __future__ import annotations
 
@@ -144,28 +145,55 @@ def fresh_adapters_on_host(lm: nn.Module) -> int:
     return done
 
 
-def publish_lora(config, cfg: LoRAConfig, base: Path, state_dict: dict[str, torch.Tensor],
-                 out: Path) -> dict[str, torch.Tensor] | None:
-    """Rank 0: write `out/adapter/` from the gathered `state_dict` (HF names with peft layers) and
-    return the merged full state dict (None when lora.publish=adapters)."""
+@dataclass(frozen=True)
+class MergeSource:
+    """How one base weight is merged with its adapters for publication: W + scale * (B @ A)
+    (transposed for fan-in-fan-out layers), as peft's merge computes it."""
+    a: str          # parameter names in the policy's `lm`
+    b: str
+    scale: float
+    transpose: bool
+
+    def merged(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        delta = b.float() @ a.float()
+        return weight.float() + (delta.T if self.transpose else delta) * self.scale
+
+
+def merge_sources(lm: nn.Module) -> dict[str, MergeSource]:
+    """Base weight name -> its MergeSource, for every LoRA linear layer in `lm`. Adapters on other
+    layer kinds (embeddings, convolutions) are refused: the published merge covers linear layers."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    out: dict[str, MergeSource] = {}
+    for name, module in lm.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if not isinstance(module, Linear):
+            raise CheckpointError(f"LoRA on {name} ({type(module).__name__}) cannot be merged for publication; "
+                                  f"target linear layers only in train.lora.target_modules, or set "
+                                  f"train.lora.publish=adapters")
+        for adapter in module.active_adapters:
+            out[f"{name}.base_layer.weight"] = MergeSource(f"{name}.lora_A.{adapter}.weight",
+                                                           f"{name}.lora_B.{adapter}.weight",
+                                                           float(module.scaling[adapter]), bool(module.fan_in_fan_out))
+    return out
+
+
+def write_adapters(config, cfg: LoRAConfig, base: Path, adapters: dict[str, torch.Tensor], out: Path) -> None:
+    """Rank 0: write `out/adapter/` (peft's format, which vLLM loads) from the full adapter
+    tensors `adapters` (names of the policy's `lm`)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    # A skeleton on the meta device takes the gathered tensors without copying them.
+    # A skeleton on the meta device: the base weights are never needed, the adapters are assigned.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         peft_model = get_peft_model(skeleton, _peft_config(cfg))
     peft_model.peft_config["default"].base_model_name_or_path = str(base)  # get_peft_model sets the config's path
-    skeleton.load_state_dict(state_dict, strict=False, assign=True)
-    skeleton.tie_weights()  # a tied LM head was saved once, under the embedding's name
-    left = [n for n, p in skeleton.named_parameters() if p.is_meta]
+    skeleton.load_state_dict(adapters, strict=False, assign=True)
+    left = [n for n, p in skeleton.named_parameters() if "lora_" in n and p.is_meta]
     if left:
-        raise CheckpointError(f"the gathered state lacks {left[:3]}; cannot write the LoRA checkpoint")
+        raise CheckpointError(f"the gathered adapters lack {left[:3]}; cannot write the LoRA checkpoint")
     peft_model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
-    if cfg.publish == "adapters":
-        return None
-    merged = peft_model.merge_and_unload()
-    own = {n for n, _ in merged.named_parameters()} | {n for n, _ in merged.named_buffers()}
-    return {k: v for k, v in merged.state_dict().items() if k in own}

@@ -247,12 +247,13 @@ def shard_name(rank: int, world_size: int) -> str:
 
 def published_names(policy) -> list[tuple[str, torch.Tensor]]:
     """(HF name, parameter or buffer) of every tensor the published folder holds: tied weights
-    once (under the first name), persistent buffers included, in the module's order."""
+    once (under the first name), persistent buffers included, in the module's order. With LoRA
+    the adapters are left out and the base layers keep their plain names (`file_key`)."""
     lm = policy.lm
     non_persistent = {f"{m}.{b}" if m else b for m, mod in lm.named_modules()
                       for b in getattr(mod, "_non_persistent_buffers_set", ())}
     named = list(lm.named_parameters()) + [(n, b) for n, b in lm.named_buffers() if n not in non_persistent]
-    return named
+    return [(n, t) for n, t in named if ".lora_" not in n]
 
 
 @dataclass
@@ -265,31 +266,57 @@ class Share:
     index: dict | None
 
 
-def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype) -> Share:
-    """Collective: gather the full tensors this rank publishes. Every rank takes part in the
-    all-gather of each sharded tensor, in the same order; only its owner keeps the result, so a
-    rank holds its share of the published model (about 1/world of it) plus one tensor in flight."""
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor (every rank must call it, in the same order)."""
     from torch.distributed.tensor import DTensor
 
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: dict | None = None) -> Share:
+    """Collective: gather the full tensors this rank publishes. Every rank takes part in the
+    all-gather of each sharded tensor, in the same order; only its owner keeps the result, so a
+    rank holds its share of the published model (about 1/world of it) plus one tensor in flight.
+    `merge` (train.lora.merge_sources): base weight name -> how its LoRA adapters merge into it;
+    the owner gathers that layer's adapters too and publishes the merged weight."""
     named = published_names(policy)
+    params = dict(policy.lm.named_parameters())
+    merge = merge or {}
     sizes = [t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for _, t in named]
     owner = owners(sizes, world_size)
     writers = sorted(set(owner))
     file_of = {r: shard_name(i, len(writers)) for i, r in enumerate(writers)}
     mine: dict[str, torch.Tensor] = {}
     for (name, t), o in zip(named, owner):
-        full = t.full_tensor() if isinstance(t, DTensor) else t
+        full = _full(t)
+        source = merge.get(name)
+        if source is not None:
+            a, b = _full(params[source.a]), _full(params[source.b])
+            if o == rank:
+                full = source.merged(full, a, b)
+            del a, b
         if o == rank:
-            mine[name] = full.detach().to(device="cpu", dtype=dtype if full.is_floating_point() else full.dtype) \
-                .contiguous()
+            mine[file_key(name)] = full.detach().to(device="cpu", dtype=dtype if full.is_floating_point()
+                                                    else full.dtype).contiguous()
         del full
     files = [file_of[r] for r in writers]
     index = None
     if len(writers) > 1:
         index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {name: file_of[o] for (name, _), o in zip(named, owner)}}
+                 "weight_map": {file_key(name): file_of[o] for (name, _), o in zip(named, owner)}}
         files.append(INDEX)
     return Share(mine, file_of.get(rank), files, index)
+
+
+def gather_adapters(policy, rank: int) -> dict[str, torch.Tensor]:
+    """Collective: the full LoRA adapter tensors (names of the policy's `lm`) on rank 0, {} elsewhere."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in policy.lm.named_parameters():
+        if ".lora_" in name:
+            full = _full(p)
+            if rank == 0:
+                out[name] = full.detach().to("cpu").contiguous()
+    return out
 
 
 def write_share(share: Share, out: Path, rank: int) -> None:
