@@ -42,3 +42,16 @@ ensure_vllm_venv() {
   "$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$stamp" > "$dir/.baton-stamp"
 }
+
+# ensure_gpu_packages: requirements-gpu.txt (vLLM for CUDA) installed on top of .venv, in one
+# resolver run with requirements.txt as the README's GPU section says (scripts/test.sh --gpu).
+ensure_gpu_packages() {
+  local stamp
+  stamp=$(_stamp_of requirements.txt requirements-gpu.txt)
+  if [ "$(cat .venv/.baton-gpu-stamp 2>/dev/null)" = "$stamp" ]; then
+    return 0
+  fi
+  echo "Installing requirements-gpu.txt into .venv (one-time, several minutes)..." >&2
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-gpu.txt
+  echo "$stamp" > .venv/.baton-gpu-stamp
+}

@@ -8,6 +8,21 @@ import pytest
 from tests.procs import Procs
 
 
+def pytest_collection_modifyitems(config, items):
+    """The gpu tier (tests marked gpu) needs CUDA: without it those tests are skipped, saying so;
+    scripts/test.sh --gpu refuses to start on a machine without a GPU instead."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/test.sh --gpu on a GPU node)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """The CI machine has 2 shared cores; torch's OpenMP pool spins badly when oversubscribed.

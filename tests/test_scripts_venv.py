@@ -43,3 +43,17 @@ def test_demo_and_test_scripts_stamp_the_venv_from_the_same_files(tmp_path):
     (root / "python-calls").unlink()
     assert _setup_calls(root, "demo.sh") == ""         # same stamp: demo.sh installs nothing
     assert _setup_calls(root, "test.sh") == ""
+
+
+def test_the_gpu_tier_is_its_own_run_and_refuses_a_machine_without_cuda():
+    """`--gpu` with `--all` is a usage error (exit 2, before any set-up); `--gpu` where torch sees
+    no CUDA says so and exits 2 instead of skipping every test."""
+    import torch
+
+    both = subprocess.run(["bash", "scripts/test.sh", "--all", "--gpu"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert both.returncode == 2 and "separate runs" in both.stderr
+    if torch.cuda.is_available():
+        return
+    gpu = subprocess.run(["bash", "scripts/test.sh", "--gpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert gpu.returncode == 2 and "sees no CUDA GPU" in gpu.stderr, gpu.stderr[-2000:]

@@ -96,7 +96,9 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
             _write_logits(t.model, t.policy.lm.config.vocab_size, out, info)
             return
         if mode == "publish":
-            _step(t, cfg, info)
+            metrics = _step(t, cfg, info)
+            if info.is_main:
+                (out / "step.json").write_text(json.dumps(metrics.as_dict()))
             _save_full(t, out / "trained.safetensors", info)
             staging = out / "ckpt"
             prepare_output_dir(staging, info)

@@ -15,7 +15,9 @@ Trainer, per process (FSDP2 shards over dp_shard = processes / dp_replicate rank
   (DDP: full gradients plus its float32 buckets);
 - AdamW state: two float32 moments, 8 B x trained / dp_shard. fsdp_cpu_offload keeps it on the
   host; optim_cpu_offload keeps it there between steps but moves it to the device for the step,
-  so it counts in the optimizer-step peak, not in the forward/backward one;
+  so it counts in the optimizer-step peak, not in the forward/backward one. The step itself
+  allocates one float32 temporary per trained tensor (foreach AdamW's square root of the second
+  moment): 4 B x trained / dp_shard more in the optimizer-step peak;
 - activations of one micro-batch of T = micro_batch_tokens tokens. A Llama-style decoder block
   (hidden h, query width hq = heads x head_dim, key/value width kv = kv_heads x head_dim, MLP
   width i) keeps for backward, per token, in bytes:
@@ -240,8 +242,11 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
     overhead = TRAINER_OVERHEAD_GIB * GIB
     rows.append(("CUDA context, NCCL, allocator (fixed)", overhead))
     # The step runs after the last backward: activations and gathered copies are freed by then,
-    # and optim_cpu_offload has brought the optimizer state back to the device.
-    step = params + grads + optim + reference + overhead
+    # and optim_cpu_offload has brought the optimizer state back to the device. torch's foreach
+    # AdamW allocates one fp32 temporary per trained tensor (the square root of the second moment)
+    # while it updates: one more copy of the trained shard, where the state lives.
+    temporaries = 0.0 if host else 4 * trained / shard
+    step = params + grads + optim + temporaries + reference + overhead
     notes = ["optim_cpu_offload: the optimizer state comes back to the device for each step"] \
         if train.optim_cpu_offload else []
     other = replace(train.ac, freq=0) if train.ac.freq else replace(train.ac, freq=1, mode="full")
