@@ -27,7 +27,7 @@ def make_assets(root: Path) -> tuple[Path, Path]:
 
     data, model = root / "data", root / "model"
     if not (data / "eval.jsonl").exists():
-        train, ev = arithmetic_tasks(600, 40, digits=2, seed=3)
+        train, ev = arithmetic_tasks(1200, 40, digits=2, seed=3)
         data.mkdir(parents=True, exist_ok=True)
         write_tasks(data / "train.jsonl", train)
         write_tasks(data / "eval.jsonl", ev)

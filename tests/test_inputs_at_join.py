@@ -19,7 +19,7 @@ from tests.procs import ROOT, bench_node, env
 
 def _data(root: Path) -> Path:
     data = root / "data"
-    train, ev = arithmetic_tasks(20, 8, digits=2, seed=1)
+    train, ev = arithmetic_tasks(64, 8, digits=2, seed=1)   # 64: the default tasks.tasks_per_iteration
     data.mkdir(parents=True)
     write_tasks(data / "train.jsonl", train)
     write_tasks(data / "eval.jsonl", ev)
@@ -43,7 +43,8 @@ def _bad_utf8(data: Path) -> str:
     return f"eval.jsonl:{n}: not UTF-8 text"
 
 
-@pytest.mark.parametrize("case", ["non-utf8 task", "missing module", "raises", "returns text", "returns nan"])
+@pytest.mark.parametrize("case", ["non-utf8 task", "missing module", "raises", "returns text", "returns nan",
+                                  "too few train tasks", "too few eval tasks"])
 def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
     data = _data(tmp_path)
     log = tmp_path / "run"
@@ -57,6 +58,12 @@ def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
     overrides = ()
     if case == "non-utf8 task":
         expected[case] = _bad_utf8(data)
+    elif case == "too few train tasks":   # 64 in the file (_data)
+        overrides = ("tasks.tasks_per_iteration=65",)
+        expected[case] = f"tasks.tasks_per_iteration=65 exceeds the 64 tasks of {data / 'train.jsonl'}"
+    elif case == "too few eval tasks":    # 8 in the file
+        overrides = ("tasks.eval_tasks=9",)
+        expected[case] = f"tasks.eval_tasks=9 exceeds the 8 tasks of {data / 'eval.jsonl'}"
     else:
         overrides = (f"tasks.reward={reward[case]}",)
     res = _run_sh(data, log, model, *overrides)

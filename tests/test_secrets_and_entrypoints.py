@@ -49,7 +49,7 @@ def test_a_missing_key_source_is_named_without_the_secret(tmp_path, monkeypatch)
 def _data_and_model(tmp_path: Path) -> tuple[Path, Path]:
     data = tmp_path / "data"
     data.mkdir()
-    train, ev = arithmetic_tasks(20, 8, digits=2, seed=1)
+    train, ev = arithmetic_tasks(64, 8, digits=2, seed=1)   # 64: the default tasks.tasks_per_iteration
     write_tasks(data / "train.jsonl", train)
     write_tasks(data / "eval.jsonl", ev)
     model = tmp_path / "model"  # empty: the run stops at its first phase, after join wrote its records

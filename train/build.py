@@ -216,5 +216,4 @@ def make_reference(loaded: Loaded, cfg: TrainConfig, info: DistInfo, dtype: torc
     loaded.lm.requires_grad_(False)
     policy, _, _ = make_policy(loaded.lm, cfg, info, trainable=False)
     model = parallelize_loaded(policy, loaded, cfg, info, dtype)
-    policy.requires_grad_(False)  # materialize allocates new parameters, which require gradients
     return model.eval()
