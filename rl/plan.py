@@ -107,14 +107,12 @@ class RunPlan:
                 check_reward(self.cfg.tasks.reward, pools[0][0])
         except (TaskFileError, RewardError) as exc:
             raise ConfigError(str(exc)) from None
-        wanted = {"train": ("tasks_per_iteration", self.cfg.tasks.tasks_per_iteration, "lower it or add tasks"),
-                  "eval": ("eval_tasks", self.cfg.tasks.eval_tasks, "lower it, or use 0 for the whole file")}
-        for split, pool in zip(splits, pools):
-            key, n, fix = wanted[split]
-            if n > len(pool):
+        for split in splits:   # enough tasks for tasks_per_iteration / eval_tasks: the sampler's own check
+            try:
+                self.tasks_of(split, 1)
+            except ValueError as exc:
                 name = self.cfg.tasks.train_file if split == "train" else self.cfg.tasks.eval_file
-                raise ConfigError(f"tasks.{key}={n} exceeds the {len(pool)} tasks of "
-                                  f"{Path(self.cfg.run.data_path) / name}; {fix}")
+                raise ConfigError(f"{exc} ({Path(self.cfg.run.data_path) / name})") from None
         if kind.serves and self.cfg.inference.engine == "vllm":
             self.cfg.inference.vllm.resolved_api_key()  # an unset env: or unreadable file: is found now
 

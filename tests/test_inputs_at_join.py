@@ -60,10 +60,12 @@ def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
         expected[case] = _bad_utf8(data)
     elif case == "too few train tasks":   # 64 in the file (_data)
         overrides = ("tasks.tasks_per_iteration=65",)
-        expected[case] = f"tasks.tasks_per_iteration=65 exceeds the 64 tasks of {data / 'train.jsonl'}"
+        expected[case] = f"tasks.tasks_per_iteration=65 exceeds the 64 tasks of the train file; lower " \
+                         f"tasks_per_iteration or add tasks ({data / 'train.jsonl'})"
     elif case == "too few eval tasks":    # 8 in the file
         overrides = ("tasks.eval_tasks=9",)
-        expected[case] = f"tasks.eval_tasks=9 exceeds the 8 tasks of {data / 'eval.jsonl'}"
+        expected[case] = f"tasks.eval_tasks=9 exceeds the 8 tasks of the eval file; lower eval_tasks or use " \
+                         f"0 for the whole file ({data / 'eval.jsonl'})"
     else:
         overrides = (f"tasks.reward={reward[case]}",)
     res = _run_sh(data, log, model, *overrides)

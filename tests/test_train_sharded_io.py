@@ -145,27 +145,28 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
         shutdown()
 
 
-def _write_logits(model, vocab_size: int, out: Path, info) -> None:
-    from safetensors.torch import save_file
-
+def _logp(model, vocab_size: int) -> torch.Tensor:
+    """Log-probabilities of the fixed batch's targets under `model` (a policy or its wrapper)."""
     from train.batches import collate
 
     mb = collate(_rows(vocab_size), pad_id=0)
     with torch.no_grad():
         logp, _ = model(mb.input_ids, mb.attention_mask, mb.targets)
+    return logp
+
+
+def _write_logits(model, vocab_size: int, out: Path, info) -> None:
+    from safetensors.torch import save_file
+
+    logp = _logp(model, vocab_size)
     if info.is_main:
         save_file({"logp": logp.float().contiguous()}, str(out / "logits.safetensors"))
 
 
 def _plain_logits(lm) -> torch.Tensor:
-    from train.batches import collate
     from train.model import Policy
 
-    plain = Policy(lm)
-    mb = collate(_rows(lm.config.vocab_size), pad_id=0)
-    with torch.no_grad():
-        want, _ = plain(mb.input_ids, mb.attention_mask, mb.targets)
-    return want
+    return _logp(Policy(lm), lm.config.vocab_size)
 
 
 def _launch(mode: str, model: Path, out: Path, world: int, tag: str = "", extra: dict | None = None,
@@ -385,9 +386,8 @@ def model_200m(tmp_path_factory) -> Path:
 def test_sharded_load_of_a_200m_model_on_two_processes_stays_under_0_6_of_its_fp32_size(model_200m, tmp_path):
     """Each rank's peak RSS during load minus its RSS before loading is at most 0.6 x the float32
     model (a rank's half is 0.5 x); the same logits as a plain load."""
-    from train.batches import collate
     from train.bench_load_publish import run_case
-    from train.model import Policy, load_causal_lm
+    from train.model import load_causal_lm
 
     params = json.loads((model_200m / "baton-tiny.json").read_text())["parameters"]
     fp32_mb = params * 4 / 2**20
@@ -397,10 +397,7 @@ def test_sharded_load_of_a_200m_model_on_two_processes_stays_under_0_6_of_its_fp
               f"model {fp32_mb:.0f} MB")
         assert r["load_peak_rss_mb"] - r["baseline_rss_mb"] <= 0.6 * fp32_mb, r
     _launch("logits", model_200m, tmp_path, 2, timeout=600)
-    plain = Policy(load_causal_lm(model_200m))
-    mb = collate(_rows(plain.lm.config.vocab_size), pad_id=0)
-    with torch.no_grad():
-        want, _ = plain(mb.input_ids, mb.attention_mask, mb.targets)
+    want = _plain_logits(load_causal_lm(model_200m))
     assert (_load(tmp_path / "logits.safetensors")["logp"] - want).abs().max().item() <= 1e-5
 
 

@@ -123,14 +123,13 @@ def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int
     return sum(p.numel() for p in lm.parameters() if p.requires_grad)
 
 
-def fresh_adapters_on_host(lm: nn.Module) -> int:
+def fresh_adapters_on_host(lm: nn.Module) -> None:
     """On a model built on the meta device (train/sharded.py) peft puts the new adapters on the
     base layers' device, so they hold no values; give them host memory and peft's own start
     values (A as nn.Linear's default, B = 0). They are small: the sharded load copies each rank's
-    slice of them into place. Returns the number of layers so treated."""
+    slice of them into place."""
     from peft.tuners.lora import LoraLayer
 
-    done = 0
     for module in lm.modules():
         if not isinstance(module, LoraLayer):
             continue
@@ -141,8 +140,6 @@ def fresh_adapters_on_host(lm: nn.Module) -> int:
             a.to_empty(device="cpu")
         for name in module.active_adapters:
             module.reset_lora_parameters(name, True)
-        done += 1
-    return done
 
 
 @dataclass(frozen=True)
