@@ -5,6 +5,10 @@ iteration, and the exact inference-server and torchrun commands (the rendezvous 
 by the master at phase 9, so it is shown as a placeholder). Reads the log path if a run is
 there -- where the job stands (finished, or the iteration and phase this rank last reported) and
 how this command's config differs from the recorded one -- but never writes to it.
+
+It also makes the checks a real start makes before it writes anything: the task files and the
+reward (RunPlan.check_inputs) and the GPU memory plan. It exits 2 where that start would, after
+printing everything else, so one dry run shows every problem at once.
 """
 from __future__ import annotations
 
@@ -80,7 +84,16 @@ def dry_run(args, cfg) -> int:
 
     plan = make_plan(args, cfg)
     kind = plan.kind
-    echo("## phase plan of this rank (iteration %d)\n" % it)
+    echo("## inputs\n")
+    try:
+        plan.check_inputs()
+        refused = None
+        echo("  task files, reward and API key: checked as a start would (docs/design.md §5 rule 10)")
+    except ConfigError as exc:
+        refused = str(exc)
+        echo(f"  refused: {refused}")
+
+    echo("\n## phase plan of this rank (iteration %d)\n" % it)
     for n in kind.phases:
         spec = BY_NUMBER[n]
         acts = spec.who == "all" or args.is_master
@@ -136,6 +149,9 @@ def dry_run(args, cfg) -> int:
         if args.bench is not None:
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
     memory_plan(args, cfg)
+    if refused is not None:
+        click.echo(f"\na start with this command would stop here (exit 2): {refused}", err=True)
+        return 2
     return 0
 
 

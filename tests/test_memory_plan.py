@@ -99,7 +99,7 @@ def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     data = tmp_path / "data"
     if not data.exists():
         data.mkdir()
-        train, ev = arithmetic_tasks(40, 10, digits=2, seed=3)
+        train, ev = arithmetic_tasks(512, 10, digits=2, seed=3)  # the GPU example's tasks_per_iteration
         write_tasks(data / "train.jsonl", train)
         write_tasks(data / "eval.jsonl", ev)
     cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(tmp_path / "run"),

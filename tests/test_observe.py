@@ -172,6 +172,26 @@ def test_training_progress_follows_the_trainer_log(tmp_path, caplog):
     assert any("train iter 2: 4/4 steps" in r.getMessage() for r in caplog.records)
 
 
+def test_dry_run_refuses_what_a_start_would_refuse_after_showing_the_plan(tmp_path):
+    """A task file with fewer tasks than tasks_per_iteration is refused at join (exit 2); a dry run
+    says so too, and still prints the rest, so one dry run shows every problem."""
+    data, model = make_assets(tmp_path / "assets")
+    n_train = sum(1 for _ in (data / "train.jsonl").open())
+    log = tmp_path / "run"
+    cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both",
+           "--eval-interval", "0", "--dry-run", f"model.path={model}", f"tasks.tasks_per_iteration={n_train + 1}"]
+    before = sorted(p for p in tmp_path.rglob("*"))
+    res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "## phase plan of this rank" in res.stdout and "## commands this node would run" in res.stdout
+    refused = [line for line in res.stdout.splitlines() if line.strip().startswith("refused:")]
+    assert len(refused) == 1 and str(n_train + 1) in refused[0] and str(data / "train.jsonl") in refused[0]
+    assert "a start with this command would stop here (exit 2)" in res.stderr
+    assert not log.exists() and sorted(p for p in tmp_path.rglob("*")) == before
+    ok = subprocess.run(cmd[:-1] + [f"tasks.tasks_per_iteration={n_train}"], env=env(), capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0 and "refused:" not in ok.stdout, ok.stdout + ok.stderr
+
 def _recorded_run(tmp_path: Path, *, completed: int, stopped: str | None) -> tuple[Path, Path, Path, list[str]]:
     """A run folder as a finished (or interrupted) run leaves it: run.json, config.yaml of the
     command `overrides` with run.max_iterations=12, the job's progress and rank 1's heartbeat."""
