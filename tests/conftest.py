@@ -23,6 +23,24 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cpu_tier_on_the_cpu(request):
+    """Every module but the gpu tier's runs on the CPU, on a GPU node too: its expectations (gloo,
+    float32 tolerances, two trainer processes per node) are the CPU's, and `auto` devices would
+    otherwise pick the GPU. An empty CUDA_VISIBLE_DEVICES hides it from this process's torch
+    (before anything here initialises CUDA) and from every child, which inherit os.environ
+    (tests/procs.py env), and baton's own GPU checks read it (train/memory_plan.py gpu_visible).
+    Module scope, autouse: set before the module's own fixtures start anything. So gpu tests live
+    in modules marked gpu as a whole (pytestmark). A session that also ran gpu tests (--all on a
+    GPU node) may already hold a CUDA context in this process; children still see no GPU."""
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """The CI machine has 2 shared cores; torch's OpenMP pool spins badly when oversubscribed.

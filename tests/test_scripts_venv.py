@@ -1,4 +1,4 @@
-"""demo.sh and test.sh share one .venv: the same requirement files, so one stamp."""
+"""demo.sh and test.sh share one .venv: the same requirement files, so one stamp; the test tiers."""
 from __future__ import annotations
 
 import hashlib
@@ -57,3 +57,18 @@ def test_the_gpu_tier_is_its_own_run_and_refuses_a_machine_without_cuda():
         return
     gpu = subprocess.run(["bash", "scripts/test.sh", "--gpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert gpu.returncode == 2 and "sees no CUDA GPU" in gpu.stderr, gpu.stderr[-2000:]
+
+
+def test_tests_outside_the_gpu_tier_and_their_children_see_no_gpu():
+    """On a GPU node the CPU tiers stay on the CPU (tests/conftest.py cpu_tier_on_the_cpu): this
+    process, its children and baton's own GPU check see an empty CUDA_VISIBLE_DEVICES."""
+    import os
+    import sys
+
+    from tests.procs import env
+    from train.memory_plan import gpu_visible
+
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not gpu_visible()
+    code = "import os, torch; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), torch.cuda.device_count())"
+    child = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert child.stdout.split() == ["''", "0"], child.stdout + child.stderr
