@@ -6,9 +6,10 @@ by the master at phase 9, so it is shown as a placeholder). Reads the log path i
 there -- where the job stands (finished, or the iteration and phase this rank last reported) and
 how this command's config differs from the recorded one -- but never writes to it.
 
-It also makes the checks a real start makes before it writes anything: the task files and the
-reward (RunPlan.check_inputs) and the GPU memory plan. It exits 2 where that start would, after
-printing everything else, so one dry run shows every problem at once.
+It also makes the input checks a real start makes before it writes anything (RunPlan.check_inputs:
+task files, reward, API key) and exits 2 where that start would, after printing everything else, so
+one dry run shows every problem at once. The GPU memory check refuses earlier, while the command
+line is read (rl/run_cli.py), for a dry run as for a start.
 """
 from __future__ import annotations
 

@@ -192,6 +192,7 @@ def test_dry_run_refuses_what_a_start_would_refuse_after_showing_the_plan(tmp_pa
                         text=True, timeout=120)
     assert ok.returncode == 0 and "refused:" not in ok.stdout, ok.stdout + ok.stderr
 
+
 def _recorded_run(tmp_path: Path, *, completed: int, stopped: str | None) -> tuple[Path, Path, Path, list[str]]:
     """A run folder as a finished (or interrupted) run leaves it: run.json, config.yaml of the
     command `overrides` with run.max_iterations=12, the job's progress and rank 1's heartbeat."""

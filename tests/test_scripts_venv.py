@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,9 +64,6 @@ def test_the_gpu_tier_is_its_own_run_and_refuses_a_machine_without_cuda():
 def test_tests_outside_the_gpu_tier_and_their_children_see_no_gpu():
     """On a GPU node the CPU tiers stay on the CPU (tests/conftest.py cpu_tier_on_the_cpu): this
     process, its children and baton's own GPU check see an empty CUDA_VISIBLE_DEVICES."""
-    import os
-    import sys
-
     from tests.procs import env
     from train.memory_plan import gpu_visible
 
