@@ -350,7 +350,11 @@ def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str,
     """Create `target` exclusively (O_EXCL). True if this call created it, False if it existed.
 
     The whole record goes out in one write; a reader that catches the tiny window before it
-    lands sees an empty or short file, which `read_record` reports as NotThereYet."""
+    lands sees an empty or short file, which `read_record` reports as NotThereYet.
+
+    On sshfs the loser of a true race gets EPERM, not EEXIST: the server's EEXIST crosses SFTP as
+    the generic SSH_FX_FAILURE, which sshfs reports as EPERM (docs/design.md §10.1). EPERM while
+    the name exists is therefore a lost race; EPERM without it is a real permission error."""
     target = Path(target)
     fence_check()
     ensure_dir(target.parent)
@@ -360,6 +364,10 @@ def create_record(target: Path, kind: str, data: dict[str, Any], *, run_id: str,
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
         return False
+    except PermissionError as exc:
+        if exc.errno == errno.EPERM and os.path.lexists(target):
+            return False
+        raise
     try:
         _write_all(fd, payload)
         os.fsync(fd)

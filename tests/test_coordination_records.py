@@ -1,6 +1,7 @@
 """Atomic records, validated reads, layout and config machinery."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -74,6 +75,32 @@ def test_exclusive_create_happens_once(tmp_path: Path):
     assert create_record(p, "go", {"decision": "continue"}, run_id="r", generation=1)
     assert not create_record(p, "go", {"decision": "abort"}, run_id="r", generation=2)
     assert read_record(p).data["decision"] == "continue"
+
+
+def test_exclusive_create_that_loses_a_race_with_eperm_returns_false_and_a_real_eperm_raises(tmp_path, monkeypatch):
+    """sshfs reports the loser of a true O_EXCL race as EPERM (the netfs tier races it for real):
+    a fake winner creates the name during our open, so EPERM with the name there is a lost race."""
+    real_open = os.open
+    target = tmp_path / "claim-1"
+
+    def open_after_the_winner(path, flags, mode=0o777):
+        if Path(path) == target and flags & os.O_EXCL:
+            target.write_bytes(b"the winner's record")
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", open_after_the_winner)
+    assert create_record(target, "claim", {"by": "me"}, run_id="r", generation=1) is False
+    assert target.read_bytes() == b"the winner's record"
+
+    def refused(path, flags, mode=0o777):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(PermissionError):
+        create_record(tmp_path / "claim-2", "claim", {"by": "me"}, run_id="r", generation=1)
+    monkeypatch.setattr(os, "open", real_open)
+    assert not (tmp_path / "claim-2").exists()
 
 
 def test_backoff_grows_from_20ms_to_1s():

@@ -5,7 +5,9 @@ model; a node is killed in the middle of its work (a chunk written, the trainers
 restarted with the same command."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
 import pytest
@@ -60,6 +62,31 @@ def _finish(procs, names: list[str], run: Run, assets, timeout: float = 500) -> 
     bad = {n: procs.log(n)[-2500:] for n in names if codes[n] != 0}
     assert not bad, bad
     check_complete_run(run.layout, 2, TASKS, GROUP, assets[1])
+
+
+def test_exclusive_creates_raced_through_two_mounts_have_one_winner_and_no_error(procs, mounts, tmp_path):
+    """The loser of a true O_EXCL race on sshfs gets EPERM (docs/design.md §10.1); create_record
+    must call that a lost race, as it does EEXIST, or a racing master dies with a traceback."""
+    folder = mounts.share / "excl"
+    folder.mkdir(mode=0o750)
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    count = 150
+    for side, (me, other) in enumerate((("a", "b"), ("b", "a"))):
+        procs.start(f"racer-{me}", [sys.executable, "-m", "tests.create_racer", str(mounts.mounts[side] / "excl"),
+                                    str(sync), me, other, str(count)])
+    outs = {}
+    for me in ("a", "b"):
+        assert procs.wait(f"racer-{me}", 120) == 0, procs.log(f"racer-{me}")[-2500:]
+        outs[me] = json.loads(procs.log(f"racer-{me}").strip().splitlines()[-1])
+    assert outs["a"]["errors"] == {} and outs["b"]["errors"] == {}, outs
+    for i in range(count):
+        winners = [me for me in ("a", "b") if i in outs[me]["won"]]
+        losers = [me for me in ("a", "b") if i in outs[me]["lost"]]
+        assert len(winners) == 1 and len(losers) == 1, (i, outs)
+        assert read_record(folder / f"claim-{i}", kind="claim", run_id="race").data == {"by": winners[0]}
+    print(f"netfs {mounts.options or 'default'}: {count} exclusive creates raced, a won {len(outs['a']['won'])}, "
+          f"b won {len(outs['b']['won'])}")
 
 
 def test_racing_masters_and_a_duplicate_worker_are_refused_and_the_run_finishes(procs, mounts, assets):
