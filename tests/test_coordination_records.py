@@ -83,17 +83,17 @@ def test_exclusive_create_that_loses_a_race_with_eperm_returns_false_and_a_real_
     real_open = os.open
     target = tmp_path / "claim-1"
 
-    def open_after_the_winner(path, flags, mode=0o777):
+    def open_after_the_winner(path, flags, *mode_and_dir):
         if Path(path) == target and flags & os.O_EXCL:
             target.write_bytes(b"the winner's record")
             raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
-        return real_open(path, flags, mode)
+        return real_open(path, flags, *mode_and_dir)
 
     monkeypatch.setattr(os, "open", open_after_the_winner)
     assert create_record(target, "claim", {"by": "me"}, run_id="r", generation=1) is False
     assert target.read_bytes() == b"the winner's record"
 
-    def refused(path, flags, mode=0o777):
+    def refused(path, flags, *mode_and_dir):
         raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
 
     monkeypatch.setattr(os, "open", refused)
