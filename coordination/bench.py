@@ -35,9 +35,14 @@ def _parse_specs(specs: tuple[str, ...], what: str) -> dict[tuple[int, int], flo
     return out
 
 
+_TALKER = ("import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n"
+           "    print('talker at', time.monotonic(), flush=True)\n    time.sleep(0.1)\n")
+
+
 def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: dict, fail: dict,
-             max_attempts: int, coord: dict, slow_iterations: int = 0) -> int:
+             max_attempts: int, coord: dict, slow_iterations: int = 0, talker: bool = False) -> int:
     from coordination import exits, log as blog
+    from coordination.children import run_watched
     from coordination.config import CoordinationConfig
     from coordination.join import join_job
     from coordination.layout import RunLayout
@@ -68,7 +73,12 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
                 if delay:
                     step.node.say(f"working {delay:.1f} s in phase {spec.number}", beat=True)
                     logger.info("working %.1f s in phase %d of iteration %d", delay, spec.number, step.iteration)
-                    time.sleep(delay)
+                    if talker:  # the work is a child that prints ten lines a second, as a trainer logs
+                        run_watched([sys.executable, "-c", _TALKER, str(delay)], env=dict(os.environ),
+                                    log_file=step.node.job.log_file(rank, "trainer"), node=step.node,
+                                    peers=range(nodes), what=f"talker of phase {spec.number}")
+                    else:
+                        time.sleep(delay)
                 if step.attempt <= fail.get((spec.number, rank), 0):
                     raise RuntimeError(f"injected failure of phase {spec.number} attempt {step.attempt}")
                 return {"pid": os.getpid()}
@@ -202,6 +212,8 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
 @click.option("--slow-iterations", default=0, hidden=True, help="apply --slow only to iterations <= this (0 = all)")
 @click.option("--node-rank", type=int, default=None, hidden=True, help="run one node of the job (internal)")
 @click.option("--slow", multiple=True, hidden=True, help="PHASE:RANK:SECONDS of work in an action")
+@click.option("--talker", is_flag=True, hidden=True,
+              help="slow work runs as a child (the real launch path) that prints ten lines a second")
 @click.option("--fail", multiple=True, hidden=True, help="PHASE:RANK:ATTEMPTS that raise")
 @click.option("--max-attempts", default=2, hidden=True)
 @click.option("--heartbeat-interval", default=5.0, hidden=True)
@@ -209,8 +221,8 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
 @click.option("--rejoin-timeout", default=1800.0, hidden=True)
 @click.option("--gc-keep-iterations", default=3, hidden=True)
 @click.option("--join-timeout", default=600.0, hidden=True)
-def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_iterations, node_rank, slow, fail,
-         max_attempts, heartbeat_interval, peer_timeout, rejoin_timeout, gc_keep_iterations, join_timeout):
+def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_iterations, node_rank, slow, talker,
+         fail, max_attempts, heartbeat_interval, peer_timeout, rejoin_timeout, gc_keep_iterations, join_timeout):
     """Measure the coordination protocol's own cost on one log path."""
     from coordination.records import restrict_umask
 
@@ -223,7 +235,7 @@ def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_
                  "join_timeout": join_timeout}
         sys.exit(run_node(log_path, node_rank, nodes, iterations, slow=_parse_specs(slow, "--slow"),
                           fail={k: int(v) for k, v in _parse_specs(fail, "--fail").items()},
-                          max_attempts=max_attempts, coord=coord, slow_iterations=slow_iterations))
+                          max_attempts=max_attempts, coord=coord, slow_iterations=slow_iterations, talker=talker))
     if iterations < 2:
         raise click.UsageError("--iterations must be at least 2 (iteration 1 carries the straggler)")
     res = orchestrate(nodes, iterations, log_path, timeout, straggler_seconds)

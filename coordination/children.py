@@ -5,20 +5,15 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable, Iterable
 
 from coordination.diagnose import relevant_lines
 from coordination.node import Node
-from coordination.procgroup import die_with_parent, stop_group
-from coordination.records import ensure_dir, open_own
+from coordination.procgroup import ChildFailed, start_child
+from coordination.stall import tick
 
 log = logging.getLogger("baton.children")
-
-
-class ChildFailed(RuntimeError):
-    """The child exited non-zero or was stopped because a peer was lost."""
 
 
 def why(path: Path, offset: int = 0) -> str:
@@ -35,21 +30,15 @@ def why(path: Path, offset: int = 0) -> str:
 
 def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers: Iterable[int],
                 what: str, check_every: float = 2.0, on_tick: Callable[[], None] | None = None) -> None:
-    """Run `cmd` in its own process group, output appended to `log_file`; while it runs, check
-    this node's fence and the peers' heartbeats. A lost peer or a fence stops the child group."""
+    """Run `cmd` as a child (procgroup.start_child), output appended to `log_file`; while it runs,
+    check this node's fence and the peers' heartbeats. A lost peer or a fence stops the child group."""
     node.check_fence()  # a superseded node neither starts a child nor touches its log
-    ensure_dir(log_file.parent)
     peers = [r for r in peers if r != node.rank]
-    with open_own(log_file, "ab") as out:
-        out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
-        out.flush()
-        start = out.tell()  # this attempt's output begins here
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent)
+    child = start_child(cmd, env=env, log_file=log_file, what=what, start_timeout=node.cfg.child_start_timeout)
     try:
         while True:
             try:
-                code = proc.wait(timeout=check_every)
+                code = child.wait(timeout=check_every)
                 break
             except subprocess.TimeoutExpired:
                 pass
@@ -57,9 +46,9 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
             if on_tick is not None:
                 on_tick()
     finally:
-        stop_group(proc)
+        child.stop()
     if code != 0:
-        raise exited(what, code, log_file, start)
+        raise exited(what, code, log_file, child.log_start)
 
 
 def exited(what: str, code: int | None, log_file: Path, start: int = 0) -> ChildFailed:
@@ -75,6 +64,7 @@ def check_node_and_peers(node: Node, peers: Iterable[int], what: str) -> None:
     """While a child works for this node: raise Fenced if the node was taken over, ChildFailed if
     a peer (any rank but this one) is lost or gone, so the child is stopped instead of waiting in a
     collective until its timeout."""
+    tick()  # one more round of a child's watch: the main thread is moving
     node.check_fence()
     for r in peers:
         if r == node.rank:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from coordination.stall import tick
+
 
 class Clock:
     """The real clock: monotonic time for deadlines and liveness, wall time only for display."""
@@ -16,6 +18,7 @@ class Clock:
         return time.time()
 
     def sleep(self, seconds: float) -> None:
+        tick()
         if seconds > 0:
             time.sleep(seconds)
 
@@ -57,6 +60,7 @@ class Backoff:
         self._delay = lo
 
     def next(self) -> float:
+        tick()  # every wait of the protocol polls through here: the main thread is moving
         d = self._delay
         self._delay = min(self._delay * self.factor, self.hi)
         return d

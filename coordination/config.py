@@ -371,6 +371,12 @@ class CoordinationConfig:
     poll_max: float = option(1.0, "longest polling interval of a wait, in seconds")
     dir_refresh_interval: float = option(
         5.0, "seconds between directory listings that refresh negative-lookup caches (NFS) during a wait")
+    child_start_timeout: float = option(
+        120.0, "a child (torchrun, an inference server) that is not running its command this many seconds after "
+               "its launch is stopped and its launch fails, naming the command")
+    stuck_report_after: float = option(
+        300.0, "a node whose main thread stays in one place this long (no poll, no progress) says so, naming where, "
+               "in its heartbeat message (status) and its log")
     gc_keep_iterations: int = option(
         3, "barrier folders of iterations older than this many iterations back are removed by the master")
     master_addr: str = option(
@@ -381,7 +387,8 @@ class CoordinationConfig:
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_interval", "peer_timeout", "rejoin_timeout", "join_timeout",
-                    "broken_record_timeout", "poll_min", "poll_max", "dir_refresh_interval"):
+                    "broken_record_timeout", "poll_min", "poll_max", "dir_refresh_interval",
+                    "child_start_timeout", "stuck_report_after"):
             positive(getattr(self, key), key)
         if self.peer_timeout <= 2 * self.heartbeat_interval:
             raise ConfigError(

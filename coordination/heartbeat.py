@@ -35,8 +35,9 @@ class HeartbeatWriter:
 
     def __init__(self, path: Path, *, run_id: str, generation: int, job: str, rank: int, interval: float,
                  clock: Clock | None = None, fenced: Callable[[], bool] | None = None,
-                 on_fenced: Callable[[], None] | None = None):
+                 on_fenced: Callable[[], None] | None = None, watch: Callable[[], str | None] | None = None):
         self.path = Path(path)
+        self._watch = watch  # stall.MainThreadWatch.check: what the main thread is stuck in, if it is
         self.run_id = run_id
         self.generation = generation
         self.interval = interval
@@ -83,9 +84,12 @@ class HeartbeatWriter:
             if self._fenced():
                 self._stop_fenced()
                 return False
+            stuck = self._watch() if self._watch is not None else None
             with self._lock:
                 self.counter += 1
                 data = dict(self.state, counter=self.counter, wall=self.clock.wall())
+            if stuck:
+                data["message"], data["stuck"] = f"{data['message']} [{stuck}]", stuck
             try:
                 # Not fsynced: a heartbeat is rewritten every few seconds and worthless after a power loss.
                 publish_record(self.path, KIND, data, run_id=self.run_id, generation=self.generation, durable=False)

@@ -21,6 +21,7 @@ from coordination.config import CoordinationConfig
 from coordination.heartbeat import HeartbeatWriter, LivenessTracker, PeerView
 from coordination.layout import JobLayout, RunLayout
 from coordination.records import FenceGuard, PatientReader, RecordError, install_fence, try_read
+from coordination.stall import MainThreadWatch
 
 log = logging.getLogger("baton.node")
 
@@ -81,7 +82,8 @@ class Node:
         node.heartbeat = HeartbeatWriter(
             jl.heartbeat(rank), run_id=run_id, generation=gen, job=job, rank=rank,
             interval=cfg.heartbeat_interval, clock=clock,
-            fenced=lambda: claim.is_fenced(probe=False)).start()  # the publish itself stats the claim
+            fenced=lambda: claim.is_fenced(probe=False),  # the publish itself stats the claim
+            watch=MainThreadWatch(cfg.stuck_report_after, clock.monotonic).check).start()
         node.start_watching()
         return node
 

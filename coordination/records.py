@@ -102,9 +102,20 @@ class FenceGuard:
                 self.on_fenced()
         return self.noticed
 
+    # A process stopped (SIGSTOP, a frozen VM) while its probe's stat is in flight stops when the
+    # stat returns, so on waking it would act on an answer from before the pause. A probe that took
+    # this long is therefore asked again; a filesystem that slow is asked at most PROBE_TRIES times.
+    PAUSED_PROBE = 0.5
+    PROBE_TRIES = 5
+
     def _probe(self, now: float) -> bool:
-        self._probed = now
-        return fsops.exists(self.newer_claim)
+        for _ in range(self.PROBE_TRIES):
+            start = time.monotonic()
+            found = fsops.exists(self.newer_claim)
+            self._probed = time.monotonic()
+            if found or self._probed - start < self.PAUSED_PROBE:
+                return found
+        return False
 
     def check(self) -> None:
         if self.fenced():
@@ -279,6 +290,8 @@ def atomic_output(target: Path) -> Iterator[Path]:
         os.chmod(tmp, FILE_MODE)
         fence_check()
         os.replace(tmp, target)
+    except Fenced:
+        raise  # the temp file stays for `recover`: a superseded process removes nothing either
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -309,6 +322,8 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
             os.close(fd)  # raises on a failed close (NFS reports write errors here)
         fence_check()
         os.replace(tmp, target)
+    except Fenced:
+        raise  # the temp file stays for `recover`: a superseded process removes nothing either
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -13,7 +13,7 @@ from coordination import log as blog, timeline
 from coordination.clock import FakeClock
 from coordination.heartbeat import HeartbeatWriter, LivenessTracker
 from coordination.records import (ENV_FENCE, Fenced, FenceGuard, atomic_output, create_record, install_fence,
-                                  publish_bytes)
+                                  fence_check, is_temp_name, publish_bytes)
 from tests.procs import ROOT, env
 
 
@@ -36,6 +36,8 @@ def test_every_writer_refuses_once_the_newer_claim_exists_and_leaves_no_file(fen
     d, newer = fenced_dir
     publish_bytes(d / "chunk", b"new")  # not fenced yet: writes go through
     newer.write_bytes(b"claim of generation 2")
+    with pytest.raises(Fenced):
+        fence_check()  # noticed: from here no writer creates even a temp file
     before = _files(d)
     with pytest.raises(Fenced):
         publish_bytes(d / "chunk", b"zombie")
@@ -49,13 +51,18 @@ def test_every_writer_refuses_once_the_newer_claim_exists_and_leaves_no_file(fen
     assert _files(d) == before  # no target changed, no temp file left behind
 
 
-def test_in_flight_write_is_not_renamed_into_place_when_the_claim_appears_meanwhile(fenced_dir):
+def test_in_flight_write_is_neither_renamed_into_place_nor_removed_when_the_claim_appears_meanwhile(fenced_dir):
+    # Removing its temp file would be a change under the log path by a superseded process: the
+    # file stays, named as a temp file, for `recover` to list and remove.
     d, newer = fenced_dir
     with pytest.raises(Fenced):
         with atomic_output(d / "chunk") as tmp:
             tmp.write_bytes(b"written before the pause")
             newer.write_bytes(b"taken over while this process was paused")
-    assert _files(d) == {"chunk": b"old", "claim-2": b"taken over while this process was paused"}
+    left = _files(d)
+    temps = [name for name in left if is_temp_name(name)]
+    assert len(temps) == 1 and left.pop(temps[0]) == b"written before the pause"
+    assert left == {"chunk": b"old", "claim-2": b"taken over while this process was paused"}
 
 
 def test_child_of_a_fenced_node_inherits_the_guard_through_the_environment(fenced_dir):

@@ -12,8 +12,8 @@ import pytest
 from coordination import exits, timeline
 from coordination.layout import RunLayout
 from tests.procs import bench_node, wait_for_text
+from tests.zombie import HB, zombie_changes_nothing  # HB: fast heartbeats for every test here
 
-HB = ["--heartbeat-interval", "0.5", "--peer-timeout", "3", "--rejoin-timeout", "60"]
 
 
 def _actions(run_dir: Path, rank: int) -> list[dict]:
@@ -151,39 +151,5 @@ def test_peer_dying_while_the_master_is_busy_is_named_within_peer_timeout_at_its
     assert "at iteration 1, phase 4 train-files-ready" in line, line
 
 
-def _listing(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file and folder under `root` with its size and mtime (ns)."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        st = p.lstat()
-        out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
-    return out
-
-
 def test_fenced_zombie_changes_no_file_under_the_log_path_after_it_wakes(procs, run_dir):
-    # The worker is paused inside phase 1 with a rollout-like action in flight; a new generation
-    # takes its rank; once that generation's claim exists, every live process of the run is
-    # paused too, so any change to the folder after the zombie wakes is the zombie's.
-    slow = ["--slow", "1:1:8", "--slow-iterations", "1"]
-    procs.start("r0", bench_node(run_dir, 0, 2, 2, *HB, *slow))
-    procs.start("r1", bench_node(run_dir, 1, 2, 2, *HB, *slow))
-    wait_for_text(procs, "r1", "working 8.0 s in phase 1", 60)
-    procs.signal("r1", signal.SIGSTOP)
-    wait_for_text(procs, "r0", "rank 1 lost", 30)
-    procs.start("r1-new", bench_node(run_dir, 1, 2, 2, *HB, *slow))
-    wait_for_text(procs, "r1-new", "took over rank 1", 60)
-    assert RunLayout(run_dir).job("both").claim(1, 2).exists()
-    procs.signal("r1-new", signal.SIGSTOP)
-    procs.signal("r0", signal.SIGSTOP)
-    time.sleep(0.2)  # let writes already issued land before the picture is taken
-    before = _listing(run_dir)
-    procs.signal("r1", signal.SIGCONT)
-    assert procs.wait("r1", 30) == exits.FENCED, procs.log("r1")[-2000:]
-    after = _listing(run_dir)
-    changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
-    assert changed == {}, f"the fenced process changed files under the log path: {changed}"
-    assert "taken over" in procs.log("r1")
-    for name in ("r0", "r1-new"):
-        procs.signal(name, signal.SIGCONT)
-    codes = procs.wait_all(timeout=120)
-    assert codes["r0"] == 0 and codes["r1-new"] == 0, procs.log("r1-new")[-2000:]
+    zombie_changes_nothing(procs, run_dir, (run_dir, run_dir, run_dir))

@@ -18,6 +18,7 @@ from coordination.records import read_record
 from tests.e2e import check_complete_run, kill_and_restart, node_cmd
 from tests.netfs import CACHED_OPTIONS, SshfsPair, unavailable_reason
 from tests.procs import wait_for_text
+from tests.zombie import zombie_changes_nothing
 
 pytestmark = pytest.mark.netfs
 
@@ -163,3 +164,12 @@ def test_master_killed_mid_training_resumes_with_the_same_command(procs, mounts,
 
     run = _kill_restart(procs, mounts, assets, "kill-master", 0, training)
     assert (run.layout.training_dir(1) / "attempt-2").exists(), "the interrupted training attempt was not retried"
+
+
+def test_fenced_zombie_changes_no_file_through_either_mount_after_it_wakes(procs, mounts):
+    # The zombie and the master use one mount, the replacement the other, so the zombie learns of
+    # the newer claim through its own mount's caches.
+    local = mounts.share / "zombie"
+    local.mkdir(mode=0o750)
+    via = tuple(m / "zombie" for m in mounts.mounts)
+    zombie_changes_nothing(procs, local, (via[0], via[0], via[1]))

@@ -30,8 +30,8 @@ from coordination.children import ChildFailed, check_node_and_peers, exited
 from coordination.claims import process_start
 from coordination.clock import Backoff
 from coordination.layout import JobLayout
-from coordination.procgroup import die_with_parent, stop_group
-from coordination.records import RecordError, ensure_dir, fence_noticed, open_own, publish_record, try_read
+from coordination.procgroup import Child, start_child
+from coordination.records import RecordError, ensure_dir, fence_noticed, publish_record, try_read
 
 log = logging.getLogger("baton.train.resident")
 
@@ -53,7 +53,7 @@ class ResidentTrainer:
     def __init__(self, node, log_file: Path):
         self.node = node
         self.log_file = log_file
-        self.proc: subprocess.Popen | None = None
+        self.proc: Child | None = None
         self.launch_id: str | None = None
         self.seq = 0
         self.launches = 0
@@ -66,17 +66,13 @@ class ResidentTrainer:
         return None
 
     def launch(self, cmd: list[str], env: dict[str, str], launch_id: str) -> None:
-        """Start torchrun for `launch_id` in its own process group (any older one is stopped first)."""
+        """Start torchrun for `launch_id` as a child (procgroup.start_child; any older one is stopped
+        first). Raises ChildStartError when it does not start within coordination.child_start_timeout."""
         self.stop()
         self.node.check_fence()  # a superseded node starts nothing
-        ensure_dir(self.log_file.parent)
-        with open_own(self.log_file, "ab") as out:
-            out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} resident trainer {launch_id}: "
-                      f"{' '.join(cmd)}\n".encode())
-            out.flush()
-            self._log_start = out.tell()
-            self.proc = subprocess.Popen(cmd, env={**env, **driver_env()}, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = start_child(cmd, env={**env, **driver_env()}, log_file=self.log_file,
+                                what=f"resident trainer {launch_id}", start_timeout=self.node.cfg.child_start_timeout)
+        self._log_start = self.proc.log_start
         self.launch_id, self.seq = launch_id, 0
         self.launches += 1
         log.info("launched the resident trainer %s (torchrun pid %d)", launch_id, self.proc.pid)
@@ -107,6 +103,8 @@ class ResidentTrainer:
                 return res
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
+                if self.proc is not None:
+                    self.proc.join_output()  # its last words are what `exited` quotes
                 self.proc, self.launch_id = None, None
                 raise exited(f"{what}: the resident trainer", code, self.log_file, self._log_start)
             check_node_and_peers(self.node, peers, what)
@@ -131,7 +129,7 @@ class ResidentTrainer:
     def stop(self) -> None:
         """Stop the trainer's process group (SIGTERM, then SIGKILL); returns when it is reaped."""
         if self.proc is not None:
-            stop_group(self.proc)
+            self.proc.stop()
             log.info("stopped the resident trainer %s", self.launch_id)
             self._mark_stopped()
         self.proc, self.launch_id, self.seq = None, None, 0

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import httpx
 
 from coordination import log
+from coordination.stall import tick
 from rollout.engine import EngineError, Sample, Sampling
 
 _log = log.get("vllm")
@@ -124,6 +125,7 @@ class VLLMClient:
         body = request_body(self.model_name, index, prompt, 1 if sampling.greedy else n, sampling)
         async with limit:
             data = await self._post(client, "/v1/completions", body)
+        tick()  # a finished request: the node's main thread (this event loop) is moving
         samples = parse_choices(data, body["n"], self.base_url)
         if sampling.greedy and n > 1:
             samples = [Sample(list(s.token_ids), list(s.logprobs), s.text, s.finish_reason)

@@ -39,6 +39,7 @@ from rollout.adapter import read_adapter
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.engines.vllm_client import VLLMClient, check_convention
 from coordination.net import free_port
+from coordination.stall import tick
 from rollout.engines.vllm_server import ServerProcess, ServerSpec, build_server, check_checkpoint, tied_embeddings
 from rollout.inference import VLLM_LORA_RANKS, VLLMConfig
 
@@ -146,6 +147,7 @@ class VLLMEngine(Engine):
                 if now >= next_note:
                     _log.info("waiting for vLLM at %s: %.0f s left (%s)", server.spec.base_url, deadline - now, last)
                     next_note = now + 15.0
+                tick()
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.5)
 

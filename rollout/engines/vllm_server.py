@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordination import log
-from coordination.procgroup import die_with_parent
-from coordination.records import fence_check, open_own
+from coordination.procgroup import START_TIMEOUT, Child, ChildStartError, start_child
+from coordination.records import fence_check
+from coordination.stall import tick
 from rollout.engine import EngineError
 from rollout.inference import VLLMConfig, is_loopback
 
@@ -204,33 +205,34 @@ def tied_embeddings(model_dir: Path) -> bool:
 class ServerProcess:
     """One launched server: its own process group (start_new_session=True), output to `log_file`."""
 
-    def __init__(self, spec: ServerSpec, log_file: Path):
+    def __init__(self, spec: ServerSpec, log_file: Path, start_timeout: float = START_TIMEOUT):
         self.spec = spec
         self.log_file = Path(log_file)
+        self.start_timeout = start_timeout
+        self.child: Child | None = None
         self.proc: subprocess.Popen | None = None
         self.pgid: int | None = None
         self.log_start = 0
 
     def tail(self, lines: int = 40) -> str:
         """The end of this start's output (the log file is appended to by every start)."""
+        if self.child is not None and self.child.poll() is not None:
+            self.child.join_output(2.0)  # an exited server's last words are still in the pipe
         return log_tail(self.log_file, lines, self.log_start)
 
     def start(self) -> None:
+        """Launch the server (procgroup.start_child: no Python code between fork and exec, a bounded
+        launch, output copied into `log_file` while this node is not fenced)."""
         fence_check()  # a superseded node starts no server and adds nothing to its log
         env = {k: v for k, v in os.environ.items() if k not in self.spec.drop_env}
         env.update(self.spec.env)
-        with open_own(self.log_file, "ab") as out:
-            self.log_start = out.tell()
-            out.write(f"\n=== baton: {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {self.spec.command_text()}\n"
-                      .encode())
-            out.flush()
-            try:
-                self.proc = subprocess.Popen(self.spec.argv, stdin=subprocess.DEVNULL, stdout=out,
-                                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                             preexec_fn=die_with_parent)
-            except OSError as exc:
-                raise EngineError(f"cannot launch the vLLM server ({exc}); check inference.vllm.python "
-                                  f"({self.spec.argv[0]}). Command: {self.spec.command_text()}") from exc
+        try:
+            self.child = start_child(self.spec.argv, env=env, log_file=self.log_file, what="vLLM server",
+                                     start_timeout=self.start_timeout)
+        except ChildStartError as exc:
+            raise EngineError(f"{exc}; check inference.vllm.python ({self.spec.argv[0]})") from exc
+        self.proc = self.child.proc
+        self.log_start = self.child.log_start
         self.pgid = self.proc.pid  # leader of its own new session and group
 
     def exit_code(self) -> int | None:
@@ -255,6 +257,8 @@ class ServerProcess:
         if not self._wait(pgid, 5.0, live_only=False):
             _log.warning("vLLM server group %d has exited but zombies are not reaped yet", pgid)
         self.pgid = None
+        if self.child is not None:
+            self.child.join_output()
 
     @staticmethod
     def _signal(pgid: int, sig: int) -> None:
@@ -274,5 +278,6 @@ class ServerProcess:
                 return True
             if time.monotonic() >= deadline:
                 return False
+            tick()
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
