@@ -112,7 +112,7 @@ class RLJob:
         self.log_dir = node.job.logs_dir(node.rank)
         self.engines = EngineLifecycle(cfg.inference, rank=node.rank, temperature=cfg.rollout.temperature,
                                        log_file=self.log_dir / "inference.log", debug_mode=args.debug_mode,
-                                       say=node.say)
+                                       say=node.say, start_timeout=cfg.coordination.child_start_timeout)
         self.is_eval, self.is_final_eval = self.plan.is_eval, self.plan.is_final_eval
         self.shares = self.plan.shares
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from coordination.checkpoints import serving_weights
+from coordination.procgroup import START_TIMEOUT
 from rollout import engines
 from rollout.engine import Engine
 from rollout.inference import InferenceConfig
@@ -19,8 +20,9 @@ class EngineLifecycle:
     iteration it serves, so asking for the same policy again does nothing."""
 
     def __init__(self, cfg: InferenceConfig, *, rank: int, temperature: float, log_file: Path, debug_mode: bool,
-                 say: Callable[..., None]):
+                 say: Callable[..., None], start_timeout: float = START_TIMEOUT):
         self.cfg, self.rank, self.temperature = cfg, rank, temperature
+        self.start_timeout = start_timeout  # coordination.child_start_timeout, for a server's launch
         self.log_file, self.debug_mode, self.say = log_file, debug_mode, say
         self.engine: Engine | None = None
         self.starts = 0  # engine starts on this node: each gets its own server seed
@@ -33,7 +35,7 @@ class EngineLifecycle:
             # Looked up on the module at call time, so a test can hand in its own engine.
             self.engine = engines.make_engine(self.cfg, rank=self.rank, restart_count=self.starts,
                                               temperature=self.temperature, log_file=self.log_file,
-                                              debug_mode=self.debug_mode)
+                                              debug_mode=self.debug_mode, start_timeout=self.start_timeout)
         if self.engine.running and self.served == policy_iteration:
             return
         weights, adapter = serving_weights(path)  # an adapters-only checkpoint: its base + adapter/

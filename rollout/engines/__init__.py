@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordination.config import ConfigError
+from coordination.procgroup import START_TIMEOUT
 from rollout.engine import Engine
 from rollout.inference import InferenceConfig, resolve_dtype
 
 
 def make_engine(cfg: InferenceConfig, *, rank: int, restart_count: int, temperature: float,
-                log_file: Path | None, debug_mode: bool = False) -> Engine:
+                log_file: Path | None, debug_mode: bool = False, start_timeout: float = START_TIMEOUT) -> Engine:
     """The engine `cfg` describes, not yet started. `temperature` is the rollout sampling temperature
     (the vLLM server must know it to return logprobs of the tempered distribution); `restart_count`
     counts this rank's engine starts so each start gets its own server seed."""
@@ -35,4 +36,4 @@ def make_engine(cfg: InferenceConfig, *, rank: int, restart_count: int, temperat
     return VLLMEngine(cfg.vllm, between_iterations=cfg.between_iterations,
                       dtype=resolve_dtype(cfg, on_gpu=not cfg.vllm.cpu), rank=rank,
                       restart_count=restart_count, temperature=temperature, log_file=log_file,
-                      debug_mode=debug_mode)
+                      debug_mode=debug_mode, start_timeout=start_timeout)

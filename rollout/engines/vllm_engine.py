@@ -39,6 +39,7 @@ from rollout.adapter import read_adapter
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.engines.vllm_client import VLLMClient, check_convention
 from coordination.net import free_port
+from coordination.procgroup import START_TIMEOUT
 from coordination.stall import tick
 from rollout.engines.vllm_server import ServerProcess, ServerSpec, build_server, check_checkpoint, tied_embeddings
 from rollout.inference import VLLM_LORA_RANKS, VLLMConfig
@@ -52,8 +53,9 @@ class VLLMEngine(Engine):
 
     def __init__(self, cfg: VLLMConfig, *, between_iterations: str = "restart", dtype: str = "auto", rank: int = 0,
                  restart_count: int = 0, temperature: float = 1.0, log_file: Path | None = None,
-                 debug_mode: bool = False):
+                 debug_mode: bool = False, start_timeout: float = START_TIMEOUT):
         super().__init__()
+        self.start_timeout = start_timeout  # bound on the server's launch (procgroup.start_child)
         self.cfg = cfg
         self.between_iterations = between_iterations
         self.dtype = dtype
@@ -96,7 +98,7 @@ class VLLMEngine(Engine):
                                 restart_count=self.restart_count + self._starts, temperature=self.temperature,
                                 dtype=self.dtype, between_iterations=self.between_iterations,
                                 cache_root=self._cache_root)
-            server = ServerProcess(spec, log_file)
+            server = ServerProcess(spec, log_file, self.start_timeout)
             _log.info("starting vLLM for %s on %s (log: %s)", model_dir, spec.base_url, log_file)
             server.start()
             self.server, self.spec = server, spec
