@@ -110,6 +110,7 @@ class RLJob:
         self._tokenizer = None
         self._reward = None
         self.log_dir = node.job.logs_dir(node.rank)
+        self._release_due: int | None = None  # the iteration whose phase 12 must find the trainer released
         self.engines = EngineLifecycle(cfg.inference, rank=node.rank, temperature=cfg.rollout.temperature,
                                        log_file=self.log_dir / "inference.log", debug_mode=args.debug_mode,
                                        say=node.say, start_timeout=cfg.coordination.child_start_timeout)
@@ -430,9 +431,9 @@ class RLJob:
             self.node.say(f"launching the resident trainer ({rdzv.rdzv_id})", beat=True)
             self.trainer.launch(cmd, env, rdzv.rdzv_id)
         world = self.train_world_size
+        offload = self.cfg.train.offload_between_iterations and self.kind.serves
         self.trainer.order(iteration=step.iteration, attempt=step.attempt,
-                           plan=str(self.layout.training_plan(step.iteration)),
-                           offload=self.cfg.train.offload_between_iterations and self.kind.serves)
+                           plan=str(self.layout.training_plan(step.iteration)), offload=offload)
         progress = StepProgress(self.trainer.log_file, f"train iter {step.iteration}", self.node)
         tick = self._attempt_watch(step, progress)
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
@@ -447,6 +448,7 @@ class RLJob:
             raise
         finally:
             progress.close()
+        self._release_due = step.iteration if offload else None
         return Trained(step.attempt).to_dict()
 
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
@@ -476,6 +478,7 @@ class RLJob:
             self.node.wait_for(lambda: True if self.checkpoint_done(step.iteration) else None,
                                what=f"the master to publish checkpoint {step.iteration}", peers=lambda: [0],
                                dirs=[self.layout.checkpoints_dir])
+        self._check_trainer_released(step)
         it, path = self.policy(step.iteration)
         if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
                 and self.engine.running):
@@ -486,6 +489,19 @@ class RLJob:
         else:
             self.ensure_engine(it, path)
         return {}
+
+    def _check_trainer_released(self, step: Step) -> None:
+        """The rule behind phase 12: an engine that shares the trainer's devices wakes or starts only
+        after every local trainer process released its device memory. The trainer writes its result
+        only after releasing (train_iteration), so phase 10's wait already orders the two; this check
+        makes a break of that order an error instead of an out-of-memory wake."""
+        if self._release_due != step.iteration or self.trainer is None:
+            return  # this process ordered no offload for this iteration (not trained here, or none asked)
+        held = self.trainer.unreleased(step.iteration, self.cfg.train.nproc_per_node)
+        if held:
+            raise RuntimeError(f"the engine must not start on the trainer's devices before every local trainer "
+                               f"process released its memory after iteration {step.iteration}; still holding: "
+                               f"{'; '.join(held)}")
 
     def decide_done(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)

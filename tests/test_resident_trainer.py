@@ -14,6 +14,7 @@ import pytest
 from coordination.layout import RunLayout
 from coordination.records import try_read
 from tests.e2e import check_complete_run, fresh_log, node_cmd
+from tests.procs import env
 from tests.tolerance import float32_tolerance
 
 FLAGS = ("--rl-phase", "both", "--eval-interval", "0", "--num-nodes", "2", "--rank-weights", "1,1")
@@ -131,8 +132,10 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
         for mode in ("true", "false"):
             log = fresh_log(tmp_path, f"resident-{mode}")
             o = (*over, f"train.resident={mode}")
-            procs.start(f"n0-{mode}", node_cmd(data, model, log, *FLAGS, "--master", overrides=o))
-            procs.start(f"n1-{mode}", node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=o))
+            # The resident trainers hold iteration 2's offload back 3 s: the engine's swap must wait.
+            hold = {"env": env(BATON_TEST_HOLD_OFFLOAD=f"2:{HELD_OFFLOAD_S}")} if mode == "true" else {}
+            procs.start(f"n0-{mode}", node_cmd(data, model, log, *FLAGS, "--master", overrides=o), **hold)
+            procs.start(f"n1-{mode}", node_cmd(data, model, log, *FLAGS, "--worker", "1", overrides=o), **hold)
             codes = procs.wait_all(900)
             assert set(codes.values()) == {0}, procs.log(f"n0-{mode}")[-3000:]
             runs[mode] = RunLayout(log)
@@ -167,10 +170,33 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
         for r in (0, 1):
             mine = [(s["state"], s["iteration"]) for s in lanes if s["rank"] == r and s["state"] != "offloaded"]
             assert mine == [("loading", 1), ("training", 1), ("training", 2), ("training", 3)], mine
+        _check_release_before_swap(runs["true"], iterations=2)
         assert _kill_trainers_left(_all_trainer_pids(runs["true"], 3)) == []
     finally:
         for lay in runs.values():
             _kill_trainers_left(_all_trainer_pids(lay, 3))
+
+
+HELD_OFFLOAD_S = 3.0
+
+
+def _check_release_before_swap(lay: RunLayout, iterations: int) -> None:
+    """On each node and in each iteration that swaps the engine's weights (the last does not): the
+    trainer said "offloaded" before phase 12 began, every rank's result says it released its
+    memory, and iteration 2's held offload made phase 10 wait instead of overlapping phase 12."""
+    from coordination import timeline
+
+    job = lay.job("both")
+    for r in (0, 1):
+        offloaded = {ev["iteration"]: ev["wall"] for ev in timeline.read(job.trainer_timeline(r))
+                     if ev["event"] == "offloaded"}
+        phases = {(ev["iteration"], ev["phase"], ev["event"]): ev["wall"] for ev in timeline.read(job.timeline(r))}
+        for it in range(1, iterations + 1):
+            assert offloaded[it] < phases[(it, 12, "start")], (r, it, offloaded, phases)
+        phase10 = phases[(2, 10, "end")] - phases[(2, 10, "start")]
+        assert phase10 >= HELD_OFFLOAD_S, f"rank {r}: phase 10 of iteration 2 took {phase10:.2f} s"
+    for it, res in _results(lay, iterations).items():
+        assert all(d["released"] for d in res["ranks"]), (it, res["ranks"])
 
 
 # The kill tests' run: 3 iterations of 64 tasks, small engine calls and chunks (so a kill lands
@@ -250,7 +276,6 @@ def test_a_node_killed_while_the_optimizer_state_is_written_replays_that_iterati
     import torch
 
     from coordination.checkpoints import is_complete
-    from tests.procs import env
     from tests.train_support import optimizer_steps, optimizer_tensors
 
     data, model = assets

@@ -112,6 +112,23 @@ class ResidentTrainer:
                 on_tick()
             time.sleep(backoff.next())
 
+    def unreleased(self, iteration: int, local_ranks: int) -> list[str]:
+        """Which of this node's trainer processes have not said that they released their device memory
+        after training `iteration` (state "offloaded" of this launch and iteration); empty when all
+        have. The engine that shares their devices may wake or start only then (docs/design.md §9.6)."""
+        job, rank = self.node.job, self.node.rank
+        missing = []
+        for local in range(local_ranks):
+            try:
+                rec = try_read(job.trainer_state(rank, local), kind=STATE_KIND, run_id=self.node.run_id)
+            except RecordError as exc:
+                missing.append(f"local rank {local}: {exc}")
+                continue
+            said = None if rec is None else (rec.data.get("launch"), rec.data.get("iteration"), rec.data.get("state"))
+            if said != (self.launch_id, iteration, "offloaded"):
+                missing.append(f"local rank {local}: {'no state record' if said is None else said}")
+        return missing
+
     def close(self, timeout: float) -> None:
         """At the end of a run: order the trainer to stop, so it first finishes writing the last
         iteration's optimizer state (docs/design.md §9.6), and wait up to `timeout` seconds for it

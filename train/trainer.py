@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -139,12 +139,17 @@ def train_steps(held: Held, plan: dict[str, Any], layout, iteration: int, info) 
 
 
 def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, attempt: int, info, *,
-                    defer_optimizer: bool = False) -> dict[str, Any]:
+                    defer_optimizer: bool = False, release: Callable[[], dict[str, Any]] | None = None
+                    ) -> dict[str, Any]:
     """Collective: train the plan's steps on `held`, write the complete checkpoint folder into the
     attempt's staging folder, then this rank's result record (so every result means "staged").
     Publication (rename into checkpoints/, LATEST) is phase 11's. With `defer_optimizer` the folder
     holds the weights alone and `held.pending` becomes the optimizer state's write
-    (start_optimizer_write). Returns the result's data."""
+    (start_optimizer_write, which copies the state to host memory before it returns). `release`
+    (a resident trainer whose engine shares its devices) then hands the device memory back, and
+    only after it is the result written, so "staged" also means "released": the engine that phase
+    12 wakes or starts never meets the trainer's memory (docs/design.md §9.6). Its facts join the
+    result. Returns the result's data."""
     from train.distributed import agreed
     from train.export import prepare_output_dir, save_checkpoint
 
@@ -165,13 +170,14 @@ def train_iteration(held: Held, plan: dict[str, Any], layout, iteration: int, at
                        "input_checkpoint": str(source), "input_iteration": plan["input_iteration"]},
         lora=cfg.lora, lora_record=t.weights.record, defer_optimizer=defer_optimizer)
     held.iteration = iteration
+    if defer_optimizer and has_state:
+        held.pending = start_optimizer_write(held, layout, iteration, attempt, info, run_id)
+    released = release() if release is not None else {}
     data = {"ok": True, "world_size": info.world_size, "pid": os.getpid(), "steps": history, "optimizer_step": held.opt_step,
-            "summary": summarise(history, plan, time.monotonic() - started)}
+            "summary": summarise(history, plan, time.monotonic() - started), **released}
     write_result(layout, iteration, attempt, info.rank, run_id, data)
     if info.is_main:
         _log.info("staged %s (optimizer step %d) in %.1f s", staging, held.opt_step, time.monotonic() - started)
-    if defer_optimizer and has_state:
-        held.pending = start_optimizer_write(held, layout, iteration, attempt, info, run_id)
     return data
 
 
@@ -338,14 +344,21 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                           launch, iteration, held.iteration)
                 held.offload.to_device()
             box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
-            train_iteration(held, plan, layout, iteration, attempt, info, defer_optimizer=True)
-            if order.get("offload"):
+
+            def release(held: Held = held, iteration: int = iteration) -> dict[str, Any]:
+                hold = os.environ.get("BATON_TEST_HOLD_OFFLOAD", "")  # tests: "N:S" holds iteration N's S seconds
+                if hold and int(hold.split(":")[0]) == iteration:
+                    time.sleep(float(hold.split(":")[1]))
                 held.offload.to_host()
                 held_mb = device_memory_mb(info.device)
                 _log.info("offloaded %.1f MiB in %d storages to host memory; device memory still held %.1f MiB",
                           held.offload.moved_bytes / 2**20, held.offload.storages, held_mb)
                 box.say("offloaded", iteration=iteration, device_memory_mb=held_mb)
-            else:
+                return {"released": True, "device_memory_mb_after_release": held_mb}
+
+            train_iteration(held, plan, layout, iteration, attempt, info, defer_optimizer=True,
+                            release=release if order.get("offload") else None)
+            if not order.get("offload"):
                 box.say("idle", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a result record and a non-zero exit
         _log.error("resident trainer %s failed%s: %s", launch,
