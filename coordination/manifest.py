@@ -190,13 +190,35 @@ def accept_resume(layout: RunLayout, info: RunInfo) -> None:
                 info.run_id, layout.config_change(n), "\n  ".join(change.changes[:20]))
 
 
-def _wait_config_yaml(layout: RunLayout, settle: float, clock: Clock | None) -> dict | None:
+def _run_config(layout: RunLayout, info: RunInfo) -> dict | None:
+    """config.yaml for the join checks: None while this mount shows no file (or an empty one);
+    JoinRefused at once for content that is not a YAML mapping, which no cache expiry repairs
+    (it is published by rename, so it is never seen half-written)."""
+    try:
+        raw = layout.config_yaml.read_bytes()
+    except FileNotFoundError:
+        return None
+    if not raw.replace(b"\0", b"").strip():
+        return None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        data, problem = None, f"not valid YAML ({str(exc).splitlines()[0]})"
+    else:
+        problem = f"a YAML {type(data).__name__}, not a mapping of config keys"
+    if not isinstance(data, dict):
+        raise JoinRefused(f"{layout.config_yaml} is damaged: {problem}. Inspect it; to restore it, remove it and "
+                          f"start the run's master with the config of hash {info.config_hash}, which writes it again")
+    return data
+
+
+def _wait_config_yaml(layout: RunLayout, info: RunInfo, settle: float, clock: Clock | None) -> dict | None:
     """config.yaml of a run whose creator has just made run.json (it publishes config.yaml next);
     a mount may hide the new name for as long as its entry cache lasts, hence `settle`."""
     clock, backoff = clock or Clock(), Backoff(0.02, 0.5)
     deadline = clock.monotonic() + settle
     while True:
-        current = read_config_yaml(layout)
+        current = _run_config(layout, info)
         if current is not None or clock.monotonic() > deadline:
             return current
         clock.sleep(backoff.next())
@@ -235,14 +257,14 @@ def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, r
                             settle: float, clock: Clock | None) -> ConfigChange | None:
     """None when `config` matches the run's; the change to make when a master resumes with
     another config (published later, by `accept_resume`); JoinRefused otherwise."""
-    current = read_config_yaml(layout)
+    current = _run_config(layout, info)
     if current is None and _hash_of(config) == info.config_hash and role == "master" and \
             not layout.config_changes_dir.exists():
         # The creator died between run.json and config.yaml: this config is the one run.json names.
         _publish_config(layout, config)
         return None
     if current is None:
-        current = _wait_config_yaml(layout, settle, clock)
+        current = _wait_config_yaml(layout, info, settle, clock)
     if current is None:
         raise JoinRefused(
             f"{layout.config_yaml} is not yet visible on this mount (attribute cache) after {settle:.0f} s "

@@ -164,3 +164,14 @@ def test_a_config_yaml_that_never_shows_is_not_yet_visible_and_names_the_hash_th
     msg = str(err.value)
     assert "not yet visible on this mount (attribute cache) after 60 s" in msg and _hash_of(CFG) in msg, msg
     assert "damaged" not in msg and not lay.config_yaml.exists()
+
+
+@pytest.mark.parametrize("shown", [b"- a\n- list\n", b"train: [unclosed\n"], ids=["list", "not-yaml"])
+def test_a_config_yaml_that_is_not_a_mapping_is_damaged_at_once_and_left_as_it_is(run_dir, shown):
+    lay = _run(run_dir)
+    lay.config_yaml.write_bytes(shown)
+    clock = FakeClock()
+    t0 = clock.monotonic()
+    with pytest.raises(JoinRefused, match=rf"config\.yaml is damaged.*hash {_hash_of(CFG)}"):
+        join_run_as_worker(lay, CFG, join_timeout=600, clock=clock, settle=60)
+    assert clock.monotonic() == t0 and lay.config_yaml.read_bytes() == shown
