@@ -155,7 +155,10 @@ def open_run_as_master(layout: RunLayout, config: dict, *, resume: bool, settle:
     info = _settled_run(layout, settle=settle, exists=False, clock=clock)
     if info is None:
         stray = _foreign_entries(layout)
-        if stray:
+        # run.json listed although this mount's lookup found none: another master created it a
+        # moment ago (or this mount's entry cache still hides it). Not foreign files: the
+        # exclusive create below loses and reads that run, or finds it is no baton run.
+        if stray and layout.run_json.name not in stray:
             raise JoinRefused(
                 f"--log-path {layout.root} is not empty ({', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}) "
                 f"and holds no baton run; choose an empty folder for a new run")

@@ -175,3 +175,31 @@ def test_a_config_yaml_that_is_not_a_mapping_is_damaged_at_once_and_left_as_it_i
     with pytest.raises(JoinRefused, match=rf"config\.yaml is damaged.*hash {_hash_of(CFG)}"):
         join_run_as_worker(lay, CFG, join_timeout=600, clock=clock, settle=60)
     assert clock.monotonic() == t0 and lay.config_yaml.read_bytes() == shown
+
+
+def test_a_master_whose_lookup_missed_a_run_json_that_the_listing_shows_joins_that_run(run_dir, monkeypatch):
+    """Between this master's lookup of run.json (none: or a mount's cached "not found") and its
+    listing of the folder, the other master created run.json, config.yaml and jobs/: that is a run
+    being born, not a folder of foreign files."""
+    import coordination.manifest as manifest
+
+    lay = RunLayout(run_dir)
+    listing = manifest._foreign_entries
+
+    def other_master_wins_meanwhile(layout):
+        if not lay.run_json.exists():
+            _run(run_dir)
+            lay.job("both").job_json.parent.mkdir(parents=True)
+        return listing(layout)
+
+    monkeypatch.setattr(manifest, "_foreign_entries", other_master_wins_meanwhile)
+    info = open_run_as_master(lay, CFG, resume=False, settle=60, clock=FakeClock())
+    assert info.run_id == RUN_ID
+
+
+def test_a_folder_with_a_foreign_run_json_is_still_refused_as_no_baton_run(run_dir):
+    (run_dir / "notes.txt").write_text("mine")
+    (run_dir / "run.json").write_text('{"epochs": 3}\n')
+    with pytest.raises(JoinRefused, match=r"run\.json is damaged.*not a baton run.*empty --log-path"):
+        open_run_as_master(RunLayout(run_dir), CFG, resume=False, clock=FakeClock())
+    assert (run_dir / "run.json").read_text() == '{"epochs": 3}\n'
