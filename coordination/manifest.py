@@ -237,10 +237,17 @@ def join_run_as_worker(layout: RunLayout, config: dict, *, join_timeout: float, 
     deadline = clock.monotonic() + join_timeout
     backoff = Backoff(0.05, poll_max)
     next_note = clock.monotonic() + 30
+    said_config = False
     while True:
         info = _settled_run(layout, settle=settle, exists=False, clock=clock)
         if info is not None and layout.config_yaml.exists():
             break
+        if info is not None and not said_config:
+            # The master publishes config.yaml right after run.json; a wait here is this mount's
+            # entry cache or a master that stopped in between: say so now, not after 30 s.
+            said_config = True
+            log.info("found run %s; %s is not visible on this mount yet, waiting for it (up to %.0f s, "
+                     "coordination.join_timeout)", info.run_id, layout.config_yaml, deadline - clock.monotonic())
         now = clock.monotonic()
         if now > deadline:
             raise JoinRefused(

@@ -203,3 +203,21 @@ def test_a_folder_with_a_foreign_run_json_is_still_refused_as_no_baton_run(run_d
     with pytest.raises(JoinRefused, match=r"run\.json is damaged.*not a baton run.*empty --log-path"):
         open_run_as_master(RunLayout(run_dir), CFG, resume=False, clock=FakeClock())
     assert (run_dir / "run.json").read_text() == '{"epochs": 3}\n'
+
+
+def test_a_worker_that_finds_run_json_but_no_config_yaml_says_so_at_once_and_joins_when_it_shows(run_dir, caplog):
+    lay = _run(run_dir)
+    content = lay.config_yaml.read_bytes()
+    lay.config_yaml.unlink()
+
+    class LateConfig(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            if self.monotonic() >= 1000 + CACHE and not lay.config_yaml.exists():
+                lay.config_yaml.write_bytes(content)
+
+    with caplog.at_level(logging.INFO, logger="baton.manifest"):
+        info = join_run_as_worker(lay, CFG, join_timeout=600, clock=LateConfig(), settle=60)
+    assert info.run_id == RUN_ID
+    said = [r.getMessage() for r in caplog.records if "config.yaml is not visible on this mount yet" in r.getMessage()]
+    assert len(said) == 1 and RUN_ID in said[0], caplog.text
