@@ -66,7 +66,7 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
 
     Ranks are judged by watching their heartbeat counters (up to peer_timeout); --apply refuses
     while any of them moves."""
-    from coordination.recover import BadResetSpec, RecoverRefused, apply, parse_reset_spec, plan
+    from coordination.recover import BadResetSpec, RecoverRefused, apply, live_nodes, parse_reset_spec, plan
 
     if reset_phase is not None:
         try:
@@ -86,10 +86,14 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
     click.echo(("removing" if do_apply else "would remove") + f" {len(items)} item(s) in {log_path}:")
     for it in items:
         click.echo(f"  {it.path.relative_to(log_path)}  -- {it.why}")
+        if it.refused and not do_apply:
+            click.echo(f"      --apply would refuse it now: {it.refused}")
     for job, completed in rollback.items():
         click.echo(f"  job {job}: progress set back to iteration {completed} completed")
     if not do_apply:
-        click.echo("run again with --apply to remove them")
+        live = live_nodes(snap)
+        click.echo(f"--apply would refuse all of it while these nodes look alive: {live}. Stop them (or let them "
+                   f"finish), then run recover again" if live else "run again with --apply to remove them")
         return
     try:
         apply(log_path, items, rollback, snap)

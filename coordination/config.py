@@ -368,7 +368,9 @@ class CoordinationConfig:
     join_timeout: float = option(
         600.0, "a worker waits this long for the master's run manifest before it gives up")
     broken_record_timeout: float = option(
-        60.0, "a shared file that stays unreadable (half-written, corrupt) this long is reported as broken")
+        60.0, "a shared file that stays unreadable (half-written, corrupt) this long is reported as broken; also how "
+              "long a node waits at join for a record another node just created to show on its mount: keep it above "
+              "the mounts' attribute-cache timeout (NFS acregmax, sshfs attr_timeout)")
     poll_min: float = option(0.02, "first polling interval of a wait, in seconds")
     poll_max: float = option(1.0, "longest polling interval of a wait, in seconds")
     dir_refresh_interval: float = option(

@@ -40,10 +40,14 @@ def join_job(layout: RunLayout, *, job: str, rank: int, num_nodes: int, job_fact
     if not 0 <= rank < num_nodes:
         raise JoinRefused(f"rank {rank} is outside 0..{num_nodes - 1} for {num_nodes} nodes")
     master = rank == 0
+    # Records another node has just created may show stale on this mount for as long as its
+    # attribute cache lasts: the config's bound for unreadable records bounds those waits.
+    settle = cfg.broken_record_timeout
     if master:
-        info = open_run_as_master(layout, config, resume=resume)
+        info = open_run_as_master(layout, config, resume=resume, settle=settle, clock=clock)
     else:
-        info = join_run_as_worker(layout, config, join_timeout=cfg.join_timeout, clock=clock, poll_max=cfg.poll_max)
+        info = join_run_as_worker(layout, config, join_timeout=cfg.join_timeout, clock=clock, poll_max=cfg.poll_max,
+                                  settle=settle)
     jl = layout.job(job)
     facts = dict(job_facts, num_nodes=num_nodes)
     if not master:
@@ -51,7 +55,7 @@ def join_job(layout: RunLayout, *, job: str, rank: int, num_nodes: int, job_fact
               f"the master of job {job} did not create {jl.job_json} within {cfg.join_timeout:.0f} s; is it running "
               f"with --rl-phase {job} and --log-path {layout.root}?",
               lambda: True if jl.job_json.exists() else None, cfg.poll_max)
-    ensure_job(jl, info.run_id, facts, master=master)
+    ensure_job(jl, info.run_id, facts, master=master, settle=settle, clock=clock)
     node = Node.join(layout, job, rank, num_nodes, run_id=info.run_id, cfg=cfg, command=command, clock=clock)
     try:
         if master:

@@ -31,8 +31,9 @@ import yaml
 from coordination.clock import Backoff, Clock
 from coordination.config import dict_hash, differences, redact
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import (Missing, NotThereYet, RecordError, create_record, ensure_dir, is_temp_name,
-                                  publish_bytes, publish_record, read_record, try_read)
+from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, publish_bytes,
+                                  publish_record, try_read)
+from coordination.settle import DEFAULT_SETTLE, KEY as SETTLE_KEY, DamagedRecord, NotVisibleYet, read_settled
 
 log = logging.getLogger("baton.manifest")
 
@@ -124,11 +125,15 @@ def read_config_yaml(layout: RunLayout) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def read_run(layout: RunLayout) -> RunInfo | None:
+def _settled_run(layout: RunLayout, *, settle: float, exists: bool, clock: Clock | None) -> RunInfo | None:
+    """run.json as soon as this mount shows it (coordination.settle): None when there is none;
+    JoinRefused (exit 3) when it stays invisible past `settle` or cannot be a run record."""
     try:
-        rec = try_read(layout.run_json, kind="run")
-    except RecordError:
-        return None
+        rec = read_settled(layout.run_json, kind="run", settle=settle, exists=exists, clock=clock)
+    except NotVisibleYet as exc:
+        raise JoinRefused(str(exc)) from None
+    except DamagedRecord as exc:
+        raise JoinRefused(f"{exc}; it is not a baton run: inspect it, or use an empty --log-path") from None
     if rec is None:
         return None
     return RunInfo(rec.run_id, rec.data["config_hash"], rec.data.get("created_by", "?"))
@@ -141,17 +146,19 @@ def _foreign_entries(layout: RunLayout) -> list[str]:
                   if not is_temp_name(n) and n != layout.config_yaml.name)
 
 
-def open_run_as_master(layout: RunLayout, config: dict, *, resume: bool) -> RunInfo:
-    """Create the run, or join/resume the one already in the log path."""
+def open_run_as_master(layout: RunLayout, config: dict, *, resume: bool, settle: float = DEFAULT_SETTLE,
+                       clock: Clock | None = None) -> RunInfo:
+    """Create the run, or join/resume the one already in the log path. `settle` bounds the wait
+    for a run.json (and config.yaml) another master has just created to show on this mount."""
     check_log_path(layout.root)
     new_hash = _hash_of(config)
-    info = read_run(layout)
+    info = _settled_run(layout, settle=settle, exists=False, clock=clock)
     if info is None:
-        if layout.run_json.exists():
-            raise JoinRefused(f"{layout.run_json} exists but is not a valid baton run record; "
-                              f"inspect it or use an empty --log-path")
         stray = _foreign_entries(layout)
-        if stray:
+        # run.json listed although this mount's lookup found none: another master created it a
+        # moment ago (or this mount's entry cache still hides it). Not foreign files: the
+        # exclusive create below loses and reads that run, or finds it is no baton run.
+        if stray and layout.run_json.name not in stray:
             raise JoinRefused(
                 f"--log-path {layout.root} is not empty ({', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}) "
                 f"and holds no baton run; choose an empty folder for a new run")
@@ -164,10 +171,9 @@ def open_run_as_master(layout: RunLayout, config: dict, *, resume: bool) -> RunI
             _publish_config(layout, config)
             log.info("created run %s in %s", run_id, layout.root)
             return RunInfo(run_id, new_hash, me)
-        info = read_run(layout)  # another job's master created it a moment ago
-        if info is None:
-            raise JoinRefused(f"{layout.run_json} appeared but is unreadable; retry in a few seconds")
-    pending = _check_or_resume_config(layout, info, config, resume=resume, role="master")
+        # Another master created it a moment ago: this mount may not show it (or its content) yet.
+        info = _settled_run(layout, settle=settle, exists=True, clock=clock)
+    pending = _check_or_resume_config(layout, info, config, resume=resume, role="master", settle=settle, clock=clock)
     return RunInfo(info.run_id, info.config_hash, info.created_by, pending)
 
 
@@ -187,29 +193,61 @@ def accept_resume(layout: RunLayout, info: RunInfo) -> None:
                 info.run_id, layout.config_change(n), "\n  ".join(change.changes[:20]))
 
 
-def _wait_config_yaml(layout: RunLayout, seconds: float = 10.0) -> dict | None:
-    """config.yaml of a run whose creator has just made run.json (it publishes config.yaml next)."""
-    clock, backoff = Clock(), Backoff(0.02, 0.5)
-    deadline = clock.monotonic() + seconds
+def _run_config(layout: RunLayout, info: RunInfo) -> dict | None:
+    """config.yaml for the join checks: None while this mount shows no file (or an empty one);
+    JoinRefused at once for content that is not a YAML mapping, which no cache expiry repairs
+    (it is published by rename, so it is never seen half-written)."""
+    try:
+        raw = layout.config_yaml.read_bytes()
+    except FileNotFoundError:
+        return None
+    if not raw.replace(b"\0", b"").strip():
+        return None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        data, problem = None, f"not valid YAML ({str(exc).splitlines()[0]})"
+    else:
+        problem = f"a YAML {type(data).__name__}, not a mapping of config keys"
+    if not isinstance(data, dict):
+        raise JoinRefused(f"{layout.config_yaml} is damaged: {problem}. Inspect it; to restore it, remove it and "
+                          f"start the run's master with the config of hash {info.config_hash}, which writes it again")
+    return data
+
+
+def _wait_config_yaml(layout: RunLayout, info: RunInfo, settle: float, clock: Clock | None) -> dict | None:
+    """config.yaml of a run whose creator has just made run.json (it publishes config.yaml next);
+    a mount may hide the new name for as long as its entry cache lasts, hence `settle`."""
+    clock, backoff = clock or Clock(), Backoff(0.02, 0.5)
+    deadline = clock.monotonic() + settle
     while True:
-        current = read_config_yaml(layout)
+        current = _run_config(layout, info)
         if current is not None or clock.monotonic() > deadline:
             return current
         clock.sleep(backoff.next())
 
 
 def join_run_as_worker(layout: RunLayout, config: dict, *, join_timeout: float, clock: Clock | None = None,
-                       poll_max: float = 1.0) -> RunInfo:
-    """Wait (bounded) for the master's run manifest, then check this node's config against it."""
+                       poll_max: float = 1.0, settle: float = DEFAULT_SETTLE) -> RunInfo:
+    """Wait (bounded) for the master's run manifest, then check this node's config against it.
+    `join_timeout` bounds the wait for the master to create it; `settle` the wait for a run.json
+    that exists to show its content on this mount."""
     clock = clock or Clock()
     check_log_path(layout.root)
     deadline = clock.monotonic() + join_timeout
     backoff = Backoff(0.05, poll_max)
     next_note = clock.monotonic() + 30
+    said_config = False
     while True:
-        info = read_run(layout)
+        info = _settled_run(layout, settle=settle, exists=False, clock=clock)
         if info is not None and layout.config_yaml.exists():
             break
+        if info is not None and not said_config:
+            # The master publishes config.yaml right after run.json; a wait here is this mount's
+            # entry cache or a master that stopped in between: say so now, not after 30 s.
+            said_config = True
+            log.info("found run %s; %s is not visible on this mount yet, waiting for it (up to %.0f s, "
+                     "coordination.join_timeout)", info.run_id, layout.config_yaml, deadline - clock.monotonic())
         now = clock.monotonic()
         if now > deadline:
             raise JoinRefused(
@@ -217,29 +255,32 @@ def join_run_as_worker(layout: RunLayout, config: dict, *, join_timeout: float, 
                 f"Is the master running with --log-path {layout.root}, and is that folder the same shared "
                 f"filesystem on both nodes (the same NFS/Lustre mount, not a local folder of the same name)?")
         if now >= next_note:
-            log.info("waiting for the master to create %s (%.0f s left)", layout.run_json, deadline - now)
+            log.info("waiting for the master to create %s (%.0f s left)",
+                     layout.config_yaml if info is not None else layout.run_json, deadline - now)
             next_note = now + 30
         clock.sleep(backoff.next())
-    _check_or_resume_config(layout, info, config, resume=False, role="worker")
+    _check_or_resume_config(layout, info, config, resume=False, role="worker", settle=settle, clock=clock)
     return info
 
 
-def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, resume: bool,
-                            role: str) -> ConfigChange | None:
+def _check_or_resume_config(layout: RunLayout, info: RunInfo, config: dict, *, resume: bool, role: str,
+                            settle: float, clock: Clock | None) -> ConfigChange | None:
     """None when `config` matches the run's; the change to make when a master resumes with
     another config (published later, by `accept_resume`); JoinRefused otherwise."""
-    current = read_config_yaml(layout)
+    current = _run_config(layout, info)
     if current is None and _hash_of(config) == info.config_hash and role == "master" and \
             not layout.config_changes_dir.exists():
         # The creator died between run.json and config.yaml: this config is the one run.json names.
         _publish_config(layout, config)
         return None
     if current is None:
-        current = _wait_config_yaml(layout)
+        current = _wait_config_yaml(layout, info, settle, clock)
     if current is None:
-        raise JoinRefused(f"{layout.config_yaml} is missing or unreadable; the run in {layout.root} is damaged "
-                          f"(run.json names config hash {info.config_hash}, this node's is {_hash_of(config)}): "
-                          f"start its master with the config of that hash to restore it, or use a new --log-path")
+        raise JoinRefused(
+            f"{layout.config_yaml} is not yet visible on this mount (attribute cache) after {settle:.0f} s "
+            f"({SETTLE_KEY}): retry in a minute. If it stays missing, the run's creator stopped between run.json "
+            f"and config.yaml: start its master with the config of hash {info.config_hash} (this node's is "
+            f"{_hash_of(config)}) to restore it")
     if _hash_of(current) == _hash_of(config):
         return None
     diff = differences(current, config, NODE_LOCAL_KEYS)
@@ -260,31 +301,27 @@ def _publish_config(layout: RunLayout, config: dict) -> None:
 
 # -- jobs ------------------------------------------------------------------------------------
 
-def ensure_job(job: JobLayout, run_id: str, facts: dict[str, Any], *, master: bool, settle: float = 10.0,
+def ensure_job(job: JobLayout, run_id: str, facts: dict[str, Any], *, master: bool, settle: float = DEFAULT_SETTLE,
                clock: Clock | None = None) -> dict[str, Any]:
     """The job's master creates job.json once; everyone else (and a restarted master) must agree.
 
-    An exclusive create and the write of its content are two steps, and a network filesystem can
-    show the new file empty for a moment: a job.json that exists but does not validate yet is read
-    again for up to `settle` seconds before it counts as broken. (A second master racing the first
-    lands here and is then refused by the rank claim, which names the live holder.)"""
-    clock = clock or Clock()
+    A mount that looked the name up while the exclusive create's content was on its way can show
+    the file empty until its attribute cache expires: job.json is read again for up to `settle`
+    seconds (coordination.settle). (A second master racing the first lands here and is then
+    refused by the rank claim, which names the live holder.)"""
     if master:
         create_record(job.job_json, "job", facts, run_id=run_id, generation=0)
-    deadline, backoff = clock.monotonic() + settle, Backoff(0.02, 0.5)
-    while True:
-        try:
-            rec = read_record(job.job_json, kind="job", run_id=run_id)
-            break
-        except Missing as exc:
-            raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
-        except NotThereYet as exc:
-            if clock.monotonic() >= deadline:
-                raise JoinRefused(f"{job.job_json} stayed unreadable for {settle:.0f} s ({exc}); it is damaged: "
-                                  f"use a new --log-path") from None
-            clock.sleep(backoff.next())
-        except RecordError as exc:
-            raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
+    try:
+        # The master created it or lost that create to another master: either way it exists.
+        rec = read_settled(job.job_json, kind="job", run_id=run_id, settle=settle, exists=master, clock=clock)
+    except NotVisibleYet as exc:
+        raise JoinRefused(str(exc)) from None
+    except DamagedRecord as exc:
+        raise JoinRefused(f"{exc}; the run's job {job.name} cannot be read: use a new --log-path") from None
+    except RecordError as exc:  # a valid job.json of another run
+        raise JoinRefused(f"cannot read {job.job_json}: {exc}. Is the master of job {job.name} running?") from None
+    if rec is None:
+        raise JoinRefused(f"cannot read {job.job_json}: it does not exist. Is the master of job {job.name} running?")
     theirs = rec.data
     bad = [f"{k}: {theirs.get(k)!r} in the run, {v!r} here" for k, v in facts.items() if theirs.get(k) != v]
     if bad:

@@ -38,6 +38,7 @@ class RecoverRefused(RuntimeError):
 class Item:
     path: Path
     why: str
+    refused: str = ""  # set while nodes look alive: why --apply would not remove it now
 
 
 def _temp_files(root: Path, min_age: float) -> list[Item]:
@@ -119,6 +120,38 @@ def _describe(r: dict, job: str) -> str:
     return f"rank {r['rank']} of job {job} (host {r['host']}, pid {r['pid']})"
 
 
+def _live(snap: dict) -> list[tuple[str, dict]]:
+    """(job, rank row) of every rank that may be running: seen alive or not yet judged."""
+    return [(j["job"], r) for j in snap["jobs"] for r in j["ranks"] if r["state"] not in GONE]
+
+
+def _temp_writer(name: str) -> tuple[str, int] | None:
+    """(host, pid) from a temp name `.target.tmp-<host>-<pid>-<random>` (records._temp_name)."""
+    host, _, rest = name.rpartition(".tmp-")[2].rpartition("-")[0].rpartition("-")
+    return (host, int(rest)) if host and rest.isdigit() else None
+
+
+def _mark_refused(items: list[Item], snap: dict) -> None:
+    """While ranks look alive `apply` removes nothing; say for each item why, naming the live rank
+    that may be using it (a training attempt's staging folder of the iteration it is in, a temp
+    file with its host and pid) where there is one, so a dry run does not invite an --apply that
+    would then refuse."""
+    live = _live(snap)
+    if not live:
+        return
+    for it in items:
+        users = []
+        staging = staging_identity(it.path.name) if it.path.parent.name == ".staging" else None
+        writer = _temp_writer(it.path.name) if is_temp_name(it.path.name) else None
+        for job, r in live:
+            if staging is not None and r.get("iteration") in (None, staging[0]):
+                users.append(f"{_describe(r, job)} is {r['state']} in iteration {r.get('iteration') or '?'}: "
+                             f"this may be its training attempt's staging folder")
+            elif writer is not None and writer == (r["host"], r["pid"]):
+                users.append(f"{_describe(r, job)} is {r['state']} and may still be writing it")
+        it.refused = "; ".join(users) or "nodes of the run look alive and recover removes nothing while they run"
+
+
 def watch_ranks(layout: RunLayout, peer_timeout: float | None = None, *, for_apply: bool = False,
                 clock: Clock | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """A status snapshot in which every rank is judged on this machine's clock (docs/design.md
@@ -154,17 +187,22 @@ def plan(log_path: Path, reset_phase: str | None = None, peer_timeout: float | N
             check_no_links(it.path)
     except LinkInRunFolder as exc:
         raise RecoverRefused(str(exc)) from None
+    _mark_refused(items, snap)
     return items, rollback, snap
+
+
+def live_nodes(snap: dict) -> str:
+    """The ranks that may be running, for the message that asks to stop them ('' when none)."""
+    return "; ".join(_describe(r, job) + f": {r['state']}" for job, r in _live(snap))
 
 
 def _check_nothing_runs(layout: RunLayout, snap: dict) -> None:
     """Refuse while a rank may be running: seen alive, not yet judged, or its heartbeat changed
     since the watch ended (a node started meanwhile)."""
-    live = [_describe(r, j["job"]) + f": {r['state']}" for j in snap["jobs"] for r in j["ranks"]
-            if r["state"] not in GONE]
+    live = live_nodes(snap)
     if live:
         raise RecoverRefused("these nodes look alive (their heartbeat counters moved, or did not stand still for "
-                             "peer_timeout), stop them before recovering: " + "; ".join(live))
+                             "peer_timeout), stop them before recovering: " + live)
     run_id = snap.get("run_id")
     for j in snap["jobs"]:
         jl = layout.job(j["job"])

@@ -174,6 +174,40 @@ def test_recover_lists_then_removes_only_leftovers(run_dir, tmp_path):
     assert _tree(victim) == before
 
 
+def test_recover_dry_run_while_nodes_live_names_what_apply_would_refuse_instead_of_inviting_it(run_dir):
+    """The defect: a live training attempt's staging folder was listed as 'of an unfinished
+    training attempt' with 'run again with --apply', which then refused."""
+    with _fixture_run(run_dir) as (lay, writers):
+        tmp, staging, _ = _leftovers(lay)
+        mine = lay.job("both").node_dir(0) / ".heartbeat.json.tmp-node-a-101-beef"  # live rank 0's own
+        mine.write_text("half")
+        os.utime(mine, (time.time() - 3600, time.time() - 3600))
+        before = _tree(run_dir)
+        dry = _cli("recover", "--log-path", str(run_dir))
+        after = _tree(run_dir)
+        for w in writers:
+            w.stop("exited")
+        done = _cli("recover", "--log-path", str(run_dir))
+    assert dry.returncode == 0, dry.stderr
+    out = dry.stdout
+    assert "run again with --apply" not in out, out
+    lines = out.splitlines()
+
+    def refusal_after(path: Path) -> str:
+        i = next(n for n, ln in enumerate(lines) if str(path.relative_to(run_dir)) in ln)
+        return lines[i + 1]
+
+    said = refusal_after(staging)
+    assert "--apply would refuse it now" in said and "rank 0 of job both (host node-a, pid 101)" in said, out
+    assert "iteration 4" in said and "staging folder" in said, out
+    assert "rank 0 of job both (host node-a, pid 101) is alive and may still be writing it" in refusal_after(mine), out
+    assert "--apply would refuse it now: nodes of the run look alive" in refusal_after(tmp), out  # rank 2 is lost
+    assert "--apply would refuse all of it while these nodes look alive" in out and "rank 1 of job both" in out, out
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    assert changed <= {f"jobs/both/nodes/rank-{r}/heartbeat.json" for r in (0, 1)}, changed
+    assert done.returncode == 0 and "run again with --apply" in done.stdout and "refuse" not in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("skew", [-300.0, 300.0])
 def test_recover_apply_refuses_while_a_counter_moves_although_its_wall_time_is_minutes_off(run_dir, tmp_path, skew):
     """The defect: with the observer's clock 5 minutes ahead, the live master was called lost
