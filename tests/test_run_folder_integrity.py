@@ -204,6 +204,62 @@ def test_no_writer_writes_or_deletes_through_a_planted_link(tmp_path, victim, wh
         write(lay)
 
 
+def _append_trainer_timeline(lay: RunLayout) -> None:
+    timeline.append(lay.job("both").trainer_timeline(0), {"event": "training", "wall": 1.0})
+
+
+def _append_log(component: str):
+    def write(lay: RunLayout) -> None:
+        from coordination.records import open_own
+
+        with open_own(lay.job("both").log_file(0, component), "ab") as fh:  # how the driver hands a child its log
+            fh.write(b"child output\n")
+    return write
+
+
+def _overwrite_in_place(lay: RunLayout) -> None:
+    from coordination.records import open_own
+
+    with open_own(lay.job("both").log_file(0, "driver"), "wb") as fh:
+        fh.write(b"")
+
+
+# (the name baton appends to or overwrites, relative to the run folder; the victim file it is a
+# second name of; the writer). Every file baton appends to is here.
+APPENDED = {
+    "timeline file": ("timeline/both-rank-0.jsonl", "precious.txt", _append_timeline),
+    "trainer timeline": ("timeline/trainer/both-rank-0.jsonl", "precious.txt", _append_trainer_timeline),
+    "driver.log": ("logs/both/rank-0/driver.log", "driver.log", _log_line),
+    "trainer.log": ("logs/both/rank-0/trainer.log", "driver.log", _append_log("trainer")),
+    "inference.log": ("logs/both/rank-0/inference.log", "driver.log", _append_log("inference")),
+    "overwrite in place": ("logs/both/rank-0/driver.log", "driver.log", _overwrite_in_place),
+}
+
+
+@pytest.mark.parametrize("what", sorted(APPENDED))
+def test_no_writer_appends_to_or_overwrites_a_hard_link(tmp_path, victim, what):
+    """A second name of a file outside the run (same filesystem): appending or truncating through
+    it would change the victim although no symbolic link is on the way."""
+    rel, target, write = APPENDED[what]
+    lay = _run(tmp_path / "run")
+    (lay.root / rel).parent.mkdir(parents=True, exist_ok=True)
+    os.link(victim / target, lay.root / rel)
+    with pytest.raises(LinkInRunFolder, match=r"is a hard link \(one file with 2 names\).*rm "):
+        write(lay)
+
+
+def test_a_file_baton_made_itself_is_appended_to_and_overwritten_as_before(tmp_path):
+    lay = _run(tmp_path / "run")
+    for _ in range(2):
+        _append_timeline(lay)
+        _append_log("trainer")(lay)
+    assert len(lay.job("both").timeline(0).read_bytes().splitlines()) == 2
+    assert lay.job("both").log_file(0, "trainer").read_bytes() == b"child output\n" * 2
+    _append_log("driver")(lay)
+    _overwrite_in_place(lay)
+    assert lay.job("both").log_file(0, "driver").read_bytes() == b""
+
+
 def test_a_record_that_is_a_link_is_not_read_as_ours(tmp_path, victim):
     lay = _run(tmp_path / "run")
     other = _run(tmp_path / "other-run")
