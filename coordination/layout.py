@@ -328,7 +328,25 @@ class RunLayout:
 
     @property
     def wandb_dir(self) -> Path:
+        """W&B's `dir`: it keeps its runs in `wandb/wandb/`; its cache, config, data and artifact
+        folders are pointed below it too (`wandb_folders`), so nothing of W&B lands outside the run."""
         return self.root / "wandb"
+
+    def wandb_folders(self) -> dict[str, Path]:
+        """W&B's environment variable -> the folder in this run it names."""
+        return {"WANDB_DIR": self.wandb_dir, "WANDB_CACHE_DIR": self.wandb_dir / "cache",
+                "WANDB_CONFIG_DIR": self.wandb_dir / "config", "WANDB_DATA_DIR": self.wandb_dir / "data",
+                "WANDB_ARTIFACT_DIR": self.wandb_dir / "artifacts"}
+
+    @property
+    def wandb_runs_dir(self) -> Path:
+        return self.wandb_dir / "wandb"
+
+    @property
+    def wandb_core_logs_dir(self) -> Path:
+        """Where W&B's service writes its own log (`$WANDB_CACHE_DIR/wandb/logs`); each W&B run links
+        `logs/debug-core.log` to it."""
+        return self.wandb_folders()["WANDB_CACHE_DIR"] / "wandb" / "logs"
 
     @property
     def report_dir(self) -> Path:
