@@ -7,9 +7,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -439,6 +441,32 @@ def test_a_run_under_umask_000_then_restarted_with_a_linked_staging_folder(procs
     assert procs.wait_all(400)["restart"] != 0, procs.log("restart")[-3000:]
     assert f"{lay.checkpoint_staging_dir} is a symbolic link" in procs.log("restart")
     assert read_record(lay.latest).data["iteration"] == 1
+
+
+@pytest.mark.slow
+def test_a_restart_of_a_cp_al_copy_of_a_run_changes_nothing_of_the_original(procs, tmp_path, assets):
+    """`cp -al runA runB` makes every file of runB a second name of one of runA's. A restart of
+    runB with runA's command stops at the first file it would append to, with one line naming it
+    (exit 3, as for a symbolic link), and runA is byte for byte what it was."""
+    from tests.e2e import fresh_log
+
+    lay = _stopped_after_iteration_1(procs, assets, fresh_log(tmp_path))
+    # The killed node's torchrun (a process group of its own) ends on the parent-death signal and
+    # still writes its last words to trainer.log: the original is final only once it is gone.
+    driver_log = lay.job("both").log_file(0, "driver").read_text()
+    procs.adopt([int(pid) for pid in re.findall(r"torchrun pid (\d+)", driver_log)])
+    deadline = time.monotonic() + 60
+    while procs.alive_groups():
+        assert time.monotonic() < deadline, f"the killed node's trainers still run: groups {procs.alive_groups()}"
+        time.sleep(0.1)
+    before = tree_state(lay.root)
+    copy = tmp_path / "copy-of-run"
+    subprocess.run(["cp", "-al", str(lay.root), str(copy)], check=True, timeout=60)
+    _start(procs, "restart", assets, copy)
+    assert procs.wait("restart", 120) == 3, procs.log("restart")[-3000:]
+    out = procs.log("restart")
+    assert "is a hard link (one file with 2 names)" in out and "Traceback" not in out, out[-3000:]
+    assert tree_state(lay.root) == before
 
 
 @pytest.mark.slow
