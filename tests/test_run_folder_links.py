@@ -195,3 +195,47 @@ def test_status_report_and_stop_answer_a_planted_link_with_one_line(tmp_path, co
     assert len(lines) == 1 and lines[0].startswith(f"Error: {planted} is a symbolic link"), res.stderr
     assert tree_state(outside) == before
     assert not (lay.report_dir / "summary.md").exists()
+
+
+# -- on real nodes (scripts/run.sh, tiny model) ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from tests.e2e import make_assets
+
+    return make_assets(tmp_path_factory.mktemp("e2e-assets"))
+
+
+def _node(procs, name: str, assets, log: Path, outside: Path) -> None:
+    """A one-node run of one iteration with W&B offline, in a home of its own under `outside`."""
+    from tests.e2e import node_cmd
+
+    data, model = assets
+    for folder in ("home", "xdg-cache"):
+        (outside / folder).mkdir(parents=True, exist_ok=True)
+    procs.start(name, node_cmd(data, model, log, "--rl-phase", "both", "--eval-interval", "0",
+                               overrides=("run.max_iterations=1", "logging.wandb.mode=offline")),
+                env=env(HOME=str(outside / "home"), XDG_CACHE_HOME=str(outside / "xdg-cache"), WANDB_SILENT="true"))
+
+
+@pytest.mark.slow
+def test_a_node_with_wandb_writes_nothing_outside_its_run_and_a_restart_refuses_a_planted_wandb_wandb(
+        procs, tmp_path, assets, victim):
+    """A finished one-node run: W&B's files all in the run folder, none in the node's home or cache,
+    no link left. Then wandb/wandb is a link to a folder outside: the restart (which opens the
+    sinks before it finds the run finished) stops with the one line naming it, exit 3."""
+    from tests.e2e import fresh_log
+
+    log, outside = fresh_log(tmp_path), tmp_path / "outside"
+    lay = RunLayout(log)
+    _node(procs, "node", assets, log, outside)
+    assert procs.wait_all(400)["node"] == 0, procs.log("node")[-3000:]
+    assert _links_in(log) == []
+    assert [p for p in outside.rglob("*") if not p.is_dir()] == []
+    assert len(list(lay.wandb_runs_dir.glob("offline-run-*/run-*.wandb"))) == 1
+    shutil.move(lay.wandb_runs_dir, tmp_path / "first-wandb-runs")
+    _plant(lay.wandb_runs_dir, victim)
+    _node(procs, "restart", assets, log, outside)
+    assert procs.wait("restart", 120) == 3, procs.log("restart")[-3000:]
+    out = procs.log("restart")
+    assert f"{lay.wandb_runs_dir} is a symbolic link" in out and "Traceback" not in out, out[-3000:]
