@@ -151,7 +151,7 @@ def _request_stop(log_path: Path, cancel: bool) -> None:
     run = try_read(layout.run_json, kind="run")
     if run is None:
         raise click.ClickException(f"no baton run in {log_path} (no readable run.json); check --log-path")
-    check_no_links(layout.stop_file)  # a linked `stop` is neither a request to report nor one to withdraw
+    check_no_links(layout.stop_file)  # a linked STOP is neither a request to report nor one to withdraw
     if cancel:
         if not layout.stop_file.exists():
             click.echo(f"no stop request in {log_path}: nothing to withdraw")
