@@ -5,6 +5,7 @@ The operator wrappers (scripts/status.sh, recover.sh, stop.sh, report.sh) run on
 and set BATON_PROG to their own name, so usage lines and advice name the command the user typed."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,18 @@ class CannotWrite(click.ClickException):
 
 def cannot_write(exc: OSError, what: str, fix: str) -> CannotWrite:
     return CannotWrite(f"cannot write {what} ({exc.filename or ''}: {exc.strerror}); {fix}")
+
+
+@contextlib.contextmanager
+def links_refused():
+    """A link planted in the run folder ends a command with the one line that names it (exit 1,
+    as `recover` answers it), never a traceback."""
+    from coordination.layout import LinkInRunFolder
+
+    try:
+        yield
+    except LinkInRunFolder as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.group()
@@ -46,7 +59,8 @@ def status(log_path: Path, watch: bool, as_json: bool, interval: float, peer_tim
     from coordination.status import print_status
 
     try:
-        print_status(log_path, as_json=as_json, watch=watch, interval=interval, peer_timeout=peer_timeout)
+        with links_refused():
+            print_status(log_path, as_json=as_json, watch=watch, interval=interval, peer_timeout=peer_timeout)
     except FileNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -127,15 +141,21 @@ def _finished_jobs(layout, run_id: str) -> dict[str, str] | None:
 @click.option("--cancel", is_flag=True, help="withdraw an earlier stop request")
 def stop(log_path: Path, cancel: bool) -> None:
     """Ask the run to stop after the current iteration; every node then exits 0."""
+    with links_refused():
+        _request_stop(log_path, cancel)
+
+
+def _request_stop(log_path: Path, cancel: bool) -> None:
     import socket
 
-    from coordination.layout import RunLayout
+    from coordination.layout import RunLayout, check_no_links
     from coordination.records import publish_record, try_read
 
     layout = RunLayout(log_path)
     run = try_read(layout.run_json, kind="run")
     if run is None:
         raise click.ClickException(f"no baton run in {log_path} (no readable run.json); check --log-path")
+    check_no_links(layout.stop_file)  # a linked STOP is neither a request to report nor one to withdraw
     if cancel:
         if not layout.stop_file.exists():
             click.echo(f"no stop request in {log_path}: nothing to withdraw")
@@ -174,7 +194,8 @@ def report(log_path: Path, out: Path | None, as_json: bool, table: bool) -> None
     from coordination.report import make_report, print_table
 
     try:
-        res = make_report(log_path, out)
+        with links_refused():
+            res = make_report(log_path, out)
     except FileNotFoundError as exc:
         if exc.filename is None:  # make_report's own "no run here" message
             raise click.ClickException(str(exc)) from None

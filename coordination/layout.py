@@ -84,16 +84,49 @@ def check_no_links(path: Path) -> bool:
         except (FileNotFoundError, NotADirectoryError):
             return True
         if stat.S_ISLNK(st.st_mode):
-            raise LinkInRunFolder(
-                f"{cur} is a symbolic link (to {os.readlink(cur)}) inside the run folder {root}; baton never "
-                f"creates links there and refuses to write, read or delete through one, so that nothing "
-                f"outside the run is touched. Remove the link (`rm {cur}` removes only the link, not what it "
-                f"points to) and start again")
+            raise _symlink_refused(cur, root)
         if not stat.S_ISDIR(st.st_mode):
             return True  # a file: the last component, or a path the caller's own call will reject
         with _lock:
             _VERIFIED.add(cur)
     return True
+
+
+def _symlink_refused(path: str, root: str) -> LinkInRunFolder:
+    return LinkInRunFolder(
+        f"{path} is a symbolic link (to {os.readlink(path)}) inside the run folder {root}; baton never "
+        f"creates links there and refuses to write, read or delete through one, so that nothing "
+        f"outside the run is touched. Remove the link (`rm {path}` removes only the link, not what it "
+        f"points to) and start again")
+
+
+def hard_link_refused(path: str, names: int) -> LinkInRunFolder:
+    """The refusal of a file with more than one name, where baton (or a library for it) would append
+    to or overwrite it in place: that would change the file under its other names too."""
+    return LinkInRunFolder(
+        f"{path} is a hard link (one file with {names} names) where baton keeps its own file; baton refuses to "
+        f"append to or overwrite it, which would change the file under its other names too (another run's, "
+        f"after `cp -al`). Remove this name (`rm {path}` leaves the other names alone) and start again")
+
+
+def check_tree_has_no_links(folder: Path) -> None:
+    """`check_no_links` down to `folder`, then refuse any symbolic link and any file with more than
+    one name anywhere below it. For folders a library writes into by names of its own (W&B,
+    TensorBoard), where baton cannot open each file itself: one walk before the library starts."""
+    if not check_no_links(folder):
+        return
+    root = _root_of(os.path.abspath(folder))
+    for dirpath, dirnames, filenames in os.walk(folder):  # never descends into a linked folder
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue  # removed meanwhile: nothing to write through
+            if stat.S_ISLNK(st.st_mode):
+                raise _symlink_refused(path, root)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                raise hard_link_refused(path, st.st_nlink)
 
 
 def forget_verified(path: Path) -> None:
@@ -295,7 +328,25 @@ class RunLayout:
 
     @property
     def wandb_dir(self) -> Path:
+        """W&B's `dir`: it keeps its runs in `wandb/wandb/`; its cache, config, data and artifact
+        folders are pointed below it too (`wandb_folders`), so nothing of W&B lands outside the run."""
         return self.root / "wandb"
+
+    def wandb_folders(self) -> dict[str, Path]:
+        """W&B's environment variable -> the folder in this run it names."""
+        return {"WANDB_DIR": self.wandb_dir, "WANDB_CACHE_DIR": self.wandb_dir / "cache",
+                "WANDB_CONFIG_DIR": self.wandb_dir / "config", "WANDB_DATA_DIR": self.wandb_dir / "data",
+                "WANDB_ARTIFACT_DIR": self.wandb_dir / "artifacts"}
+
+    @property
+    def wandb_runs_dir(self) -> Path:
+        return self.wandb_dir / "wandb"
+
+    @property
+    def wandb_core_logs_dir(self) -> Path:
+        """Where W&B's service writes its own log (`$WANDB_CACHE_DIR/wandb/logs`); each W&B run links
+        `logs/debug-core.log` to it."""
+        return self.wandb_folders()["WANDB_CACHE_DIR"] / "wandb" / "logs"
 
     @property
     def report_dir(self) -> Path:

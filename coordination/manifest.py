@@ -31,7 +31,7 @@ import yaml
 from coordination.clock import Backoff, Clock
 from coordination.config import dict_hash, differences, redact
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, publish_bytes,
+from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, open_own, publish_bytes,
                                   publish_record, try_read)
 from coordination.settle import DEFAULT_SETTLE, KEY as SETTLE_KEY, DamagedRecord, NotVisibleYet, read_settled
 
@@ -118,7 +118,8 @@ def _hash_of(config: dict) -> str:
 
 def read_config_yaml(layout: RunLayout) -> dict | None:
     try:
-        text = layout.config_yaml.read_text()
+        with open_own(layout.config_yaml, "rb") as fh:  # a linked config.yaml is not this run's
+            text = fh.read().decode()
     except FileNotFoundError:
         return None
     data = yaml.safe_load(text)

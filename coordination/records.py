@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from coordination import fsops
-from coordination.layout import LinkInRunFolder, check_no_links, forget_verified, in_run_folder
+from coordination.layout import LinkInRunFolder, check_no_links, forget_verified, hard_link_refused, in_run_folder
 
 FORMAT = "baton/1"
 
@@ -212,12 +212,19 @@ def own_opener(path: str, flags: int) -> int:
 
     A writer checks the folders before it opens. A reader checks them once the file opened
     (before a byte is read), so polling for a file that does not exist yet costs nothing more
-    than the open itself (docs/design.md §5 rule 5)."""
+    than the open itself (docs/design.md §5 rule 5).
+
+    A writer also refuses a file with more than one name (a hard link, or every file of a
+    `cp -al` copy of a run): appending to it or overwriting it in place would change the file
+    under its other names too. O_TRUNC is therefore applied only after that check."""
     parent = os.path.dirname(os.path.abspath(path))  # plain strings: this runs on every barrier poll
     writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
     inside = check_no_links(parent) if writing else in_run_folder(parent)
+    truncate = bool(inside and writing and flags & os.O_TRUNC)
     if inside:
         flags |= os.O_NOFOLLOW
+    if truncate:
+        flags &= ~os.O_TRUNC
     try:
         fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
@@ -226,6 +233,16 @@ def own_opener(path: str, flags: int) -> int:
                 f"{path} is a symbolic link (to {os.readlink(path)}) where baton keeps its own file; baton "
                 f"refuses to write or read through it. Remove the link (`rm {path}`) and start again") from None
         raise
+    if inside and writing:
+        try:
+            names = os.fstat(fd).st_nlink
+            if names > 1:
+                raise hard_link_refused(path, names)
+            if truncate:
+                os.ftruncate(fd, 0)
+        except BaseException:
+            os.close(fd)
+            raise
     if inside and not writing:
         try:
             check_no_links(parent)

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import stat
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from coordination.layout import RunLayout
+from coordination.layout import RunLayout, check_no_links, check_tree_has_no_links
 from coordination.records import ensure_dir, fence_check
 
 log = logging.getLogger("baton.sinks")
@@ -78,8 +81,55 @@ def _worker() -> _Background:
     return _background
 
 
+_prepared: set[Path] = set()  # run folders whose sink folders were checked by this process
+
+
+def prepare_folders(cfg, layout: RunLayout) -> None:
+    """Before a sink starts: refuse any link in the folders it writes into by names of its own
+    (`layout.check_tree_has_no_links`, docs/design.md §5 rule 11), and point every folder W&B uses
+    (its runs, cache, config, data and artifacts) into the run's `wandb/`, so that it writes
+    nothing in the user's home. Called on the main thread by `start`, before the sinks' thread
+    opens anything (environment changes are not safe beside a thread that reads them)."""
+    if cfg.tensorboard:
+        check_tree_has_no_links(layout.tensorboard_dir)
+    if cfg.wandb.mode != "disabled":
+        fold_core_log_links(layout)
+        check_tree_has_no_links(layout.wandb_dir)
+        os.environ.update({name: str(folder.absolute()) for name, folder in layout.wandb_folders().items()})
+    _prepared.add(layout.root)
+
+
+def fold_core_log_links(layout: RunLayout) -> None:
+    """W&B's service links every W&B run's `logs/debug-core.log` to its own log in its cache folder
+    (here `wandb/cache/wandb/logs/`), whatever the settings say. A run folder holds no links, so
+    each such log is moved over its link: when the sinks close, and at the next start after a
+    crash. A link that points anywhere else is not W&B's doing and stays for
+    `check_tree_has_no_links` to refuse."""
+    logs = os.path.abspath(layout.wandb_core_logs_dir)
+    check_no_links(layout.wandb_runs_dir)
+    check_no_links(Path(logs))
+    if not layout.wandb_runs_dir.is_dir():
+        return
+    for entry in os.scandir(layout.wandb_runs_dir):
+        link = os.path.join(entry.path, "logs", "debug-core.log")
+        if not entry.is_dir(follow_symlinks=False) or os.path.islink(os.path.dirname(link)) \
+                or not os.path.islink(link):
+            continue
+        target = os.path.normpath(os.path.join(os.path.dirname(link), os.readlink(link)))
+        if os.path.dirname(target) != logs:
+            continue
+        fence_check()
+        try:
+            if stat.S_ISREG(os.lstat(target).st_mode):
+                os.replace(target, link)  # the same file, now under the run's own W&B folder
+        except FileNotFoundError:
+            os.unlink(link)  # its log is gone: the link leads nowhere
+
+
 def _open(cfg, layout: RunLayout) -> None:
     fence_check()  # event files live under the log path too (docs/design.md §5 rule 7)
+    if layout.root not in _prepared:
+        prepare_folders(cfg, layout)
     if cfg.tensorboard and "tb" not in _writers:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -90,10 +140,13 @@ def _open(cfg, layout: RunLayout) -> None:
 
         ensure_dir(layout.wandb_dir)
         # No system metadata and no code capture: the metadata holds the command line, whose
-        # key=value overrides may carry a literal secret (docs/design.md §5 rule 11).
-        _writers["wandb"] = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir), mode=cfg.wandb.mode,
-                                       name=layout.root.name,
-                                       settings=wandb.Settings(x_disable_meta=True, disable_code=True, save_code=False))
+        # key=value overrides may carry a literal secret (docs/design.md §5 rule 11). No links of
+        # W&B's own (`latest-run`, `debug.log`), and never a `.wandb` folder in place of `wandb`.
+        run = wandb.init(project=cfg.wandb.project, dir=str(layout.wandb_dir), mode=cfg.wandb.mode,
+                         name=layout.root.name,
+                         settings=wandb.Settings(x_disable_meta=True, disable_code=True, save_code=False,
+                                                 symlink=False, use_dot_wandb=False))
+        _writers["wandb"] = (run, layout)
 
 
 def _write(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
@@ -107,13 +160,15 @@ def _write(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
             w.add_scalar(k, v, step)
         w.flush()
     if "wandb" in _writers:
-        _writers["wandb"].log(values, step=step)
+        _writers["wandb"][0].log(values, step=step)
 
 
 def start(cfg, layout: RunLayout) -> None:
-    """Open the configured sinks in the background now (the master calls it when it joins), so
-    the first iteration's metrics find them ready."""
+    """Check the sinks' folders now (a planted link refuses the node: LinkInRunFolder), then open
+    the configured sinks in the background (the master calls it when it joins), so the first
+    iteration's metrics find them ready."""
     if cfg.tensorboard or cfg.wandb.mode != "disabled":
+        prepare_folders(cfg, layout)
         _worker().put(lambda: _open(cfg, layout))
 
 
@@ -143,6 +198,8 @@ def _close_writers() -> None:
     tb = _writers.pop("tb", None)
     if tb is not None:
         tb.close()
-    run = _writers.pop("wandb", None)
-    if run is not None:
+    opened = _writers.pop("wandb", None)
+    if opened is not None:
+        run, layout = opened
         run.finish()
+        fold_core_log_links(layout)  # no link of W&B's stays in the run folder

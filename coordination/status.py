@@ -341,7 +341,9 @@ def print_status(log_path: Path, *, as_json: bool, watch: bool, interval: float 
     if not watch or as_json:
         seconds = one_shot_watch(reader)
         reader.snapshot()  # a missing run fails here, before the wait
-        print(f"watching heartbeats for up to {seconds:.1f} s (2 x heartbeat_interval) to see which ranks are alive...",
+        # Two heartbeat intervals, in under 80 columns for any interval up to a day (rich fits the
+        # rest of the output to the terminal's width).
+        print(f"watching heartbeats for up to {seconds:.1f} s to see which ranks are alive...",
               file=sys.stderr, flush=True)
         snap = reader.watch(seconds)
         if as_json:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from coordination.records import ensure_dir, fence_check, own_opener
+from coordination.records import ensure_dir, fence_check, open_own, own_opener
 
 log = logging.getLogger("baton.timeline")
 
@@ -29,9 +29,11 @@ def append(path: Path, event: dict[str, Any]) -> None:
 def read(path: Path) -> Iterator[dict[str, Any]]:
     """Events of one timeline file. A line that is not a JSON object (a torn last line of a writer
     killed mid-write, or bytes that are not UTF-8) is skipped with a warning naming file and line:
-    a report draws what it can instead of failing on one damaged line."""
+    a report draws what it can instead of failing on one damaged line. A timeline that is a link
+    is refused (LinkInRunFolder), never read as this run's."""
     try:
-        data = Path(path).read_bytes()
+        with open_own(Path(path), "rb") as fh:
+            data = fh.read()
     except FileNotFoundError:
         return
     for lineno, raw in enumerate(data.splitlines(), 1):

@@ -349,17 +349,18 @@ def test_every_wrapper_names_itself_in_help_and_usage_errors_exit_2(name):
 
 
 def _status_at(run_dir: Path, columns: int) -> str:
+    """What `status` prints, its progress line on stderr first."""
     res = subprocess.run([sys.executable, "-m", "coordination", "status", "--log-path", str(run_dir)], cwd=ROOT,
                          env=env(COLUMNS=str(columns)), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    return res.stdout
+    return res.stderr + res.stdout
 
 
 def test_status_fits_80_columns_with_every_ranks_number_phase_and_state(run_dir):
     with _fixture_run(run_dir):
         narrow = _status_at(run_dir, 80)
         wide = _status_at(run_dir, 200)
-    assert max(len(line) for line in narrow.splitlines()) <= 80
+    assert narrow.startswith("watching heartbeats") and max(len(line) for line in narrow.splitlines()) <= 80, narrow
     rows = [line for line in narrow.splitlines() if line.startswith("│")]
     expected = {0: ("2 train-rollout-done", "alive"), 1: ("2 train-rollout-done", "alive"),
                 2: ("1 train-rollout", "not moving")}

@@ -7,9 +7,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,6 +206,62 @@ def test_no_writer_writes_or_deletes_through_a_planted_link(tmp_path, victim, wh
         write(lay)
 
 
+def _append_trainer_timeline(lay: RunLayout) -> None:
+    timeline.append(lay.job("both").trainer_timeline(0), {"event": "training", "wall": 1.0})
+
+
+def _append_log(component: str):
+    def write(lay: RunLayout) -> None:
+        from coordination.records import open_own
+
+        with open_own(lay.job("both").log_file(0, component), "ab") as fh:  # how the driver hands a child its log
+            fh.write(b"child output\n")
+    return write
+
+
+def _overwrite_in_place(lay: RunLayout) -> None:
+    from coordination.records import open_own
+
+    with open_own(lay.job("both").log_file(0, "driver"), "wb") as fh:
+        fh.write(b"")
+
+
+# (the name baton appends to or overwrites, relative to the run folder; the victim file it is a
+# second name of; the writer). Every file baton appends to is here.
+APPENDED = {
+    "timeline file": ("timeline/both-rank-0.jsonl", "precious.txt", _append_timeline),
+    "trainer timeline": ("timeline/trainer/both-rank-0.jsonl", "precious.txt", _append_trainer_timeline),
+    "driver.log": ("logs/both/rank-0/driver.log", "driver.log", _log_line),
+    "trainer.log": ("logs/both/rank-0/trainer.log", "driver.log", _append_log("trainer")),
+    "inference.log": ("logs/both/rank-0/inference.log", "driver.log", _append_log("inference")),
+    "overwrite in place": ("logs/both/rank-0/driver.log", "driver.log", _overwrite_in_place),
+}
+
+
+@pytest.mark.parametrize("what", sorted(APPENDED))
+def test_no_writer_appends_to_or_overwrites_a_hard_link(tmp_path, victim, what):
+    """A second name of a file outside the run (same filesystem): appending or truncating through
+    it would change the victim although no symbolic link is on the way."""
+    rel, target, write = APPENDED[what]
+    lay = _run(tmp_path / "run")
+    (lay.root / rel).parent.mkdir(parents=True, exist_ok=True)
+    os.link(victim / target, lay.root / rel)
+    with pytest.raises(LinkInRunFolder, match=r"is a hard link \(one file with 2 names\).*rm "):
+        write(lay)
+
+
+def test_a_file_baton_made_itself_is_appended_to_and_overwritten_as_before(tmp_path):
+    lay = _run(tmp_path / "run")
+    for _ in range(2):
+        _append_timeline(lay)
+        _append_log("trainer")(lay)
+    assert len(lay.job("both").timeline(0).read_bytes().splitlines()) == 2
+    assert lay.job("both").log_file(0, "trainer").read_bytes() == b"child output\n" * 2
+    _append_log("driver")(lay)
+    _overwrite_in_place(lay)
+    assert lay.job("both").log_file(0, "driver").read_bytes() == b""
+
+
 def test_a_record_that_is_a_link_is_not_read_as_ours(tmp_path, victim):
     lay = _run(tmp_path / "run")
     other = _run(tmp_path / "other-run")
@@ -383,6 +441,32 @@ def test_a_run_under_umask_000_then_restarted_with_a_linked_staging_folder(procs
     assert procs.wait_all(400)["restart"] != 0, procs.log("restart")[-3000:]
     assert f"{lay.checkpoint_staging_dir} is a symbolic link" in procs.log("restart")
     assert read_record(lay.latest).data["iteration"] == 1
+
+
+@pytest.mark.slow
+def test_a_restart_of_a_cp_al_copy_of_a_run_changes_nothing_of_the_original(procs, tmp_path, assets):
+    """`cp -al runA runB` makes every file of runB a second name of one of runA's. A restart of
+    runB with runA's command stops at the first file it would append to, with one line naming it
+    (exit 3, as for a symbolic link), and runA is byte for byte what it was."""
+    from tests.e2e import fresh_log
+
+    lay = _stopped_after_iteration_1(procs, assets, fresh_log(tmp_path))
+    # The killed node's torchrun (a process group of its own) ends on the parent-death signal and
+    # still writes its last words to trainer.log: the original is final only once it is gone.
+    driver_log = lay.job("both").log_file(0, "driver").read_text()
+    procs.adopt([int(pid) for pid in re.findall(r"torchrun pid (\d+)", driver_log)])
+    deadline = time.monotonic() + 60
+    while procs.alive_groups():
+        assert time.monotonic() < deadline, f"the killed node's trainers still run: groups {procs.alive_groups()}"
+        time.sleep(0.1)
+    before = tree_state(lay.root)
+    copy = tmp_path / "copy-of-run"
+    subprocess.run(["cp", "-al", str(lay.root), str(copy)], check=True, timeout=60)
+    _start(procs, "restart", assets, copy)
+    assert procs.wait("restart", 120) == 3, procs.log("restart")[-3000:]
+    out = procs.log("restart")
+    assert "is a hard link (one file with 2 names)" in out and "Traceback" not in out, out[-3000:]
+    assert tree_state(lay.root) == before
 
 
 @pytest.mark.slow
