@@ -99,9 +99,10 @@ def test_recover_removes_only_staging_folders_named_by_baton(tmp_path):
 
 def _checkpoint(lay: RunLayout, iteration: int, run_id: str = RUN) -> Path:
     from coordination.checkpoints import mark_complete
+    from tests.ckpt_support import stamped_file
 
     folder = ensure_dir(lay.checkpoint_staging(iteration, 1))
-    (folder / "model.safetensors").write_bytes(b"w" * (10 + iteration))
+    stamped_file(folder / "model.safetensors", run_id, iteration, 10 + iteration)
     mark_complete(folder, iteration=iteration, run_id=run_id)
     return folder
 

@@ -45,6 +45,7 @@ def worker(mode: str, model: Path, out: Path) -> None:
     from train.lora import weights_source
     from train.model import load_causal_lm
     from train.parallel import full_state_dict
+    from coordination.checkpoint_files import Stamp
     from train.sharded import gather_share, write_config, write_share
 
     info = init_distributed(600.0)
@@ -75,7 +76,7 @@ def worker(mode: str, model: Path, out: Path) -> None:
             del state_dict
         else:
             share = gather_share(t.policy, info.rank, info.world_size, torch.float32)
-            write_share(share, target, info.rank)
+            write_share(share, target, info.rank, Stamp("bench", 0))
             if info.is_main:
                 write_config(t.policy, target, torch.float32)
             del share
