@@ -25,8 +25,8 @@ import os
 from pathlib import Path
 
 from coordination.checkpoint_files import CheckpointError, Stamp, check_stamp, open_listed
-from coordination.layout import (RunLayout, check_no_links, iteration_number, optimizer_staging_identity,
-                                 staging_identity)
+from coordination.layout import (RunLayout, check_no_links, in_run_folder, iteration_number,
+                                 optimizer_staging_identity, staging_identity)
 from coordination.records import (Missing, NotThereYet, WrongRun, ensure_dir, fence_check, publish_record,
                                   read_record, remove_tree, try_read)
 
@@ -92,7 +92,7 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
     for rel, size in rec.data.get("files", {}).items():
         try:
             fd, st = open_listed(folder, rel, owner)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         try:
             if st.st_size != size:
@@ -106,10 +106,16 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
 
 def stamp_of(folder: Path) -> Stamp | None:
     """The run and iteration every safetensors file of checkpoint `folder` must carry (its
-    marker's), or None for a folder without a marker: a base model, whose files are the user's and
-    carry no stamp (they may be links, as in the Hugging Face cache)."""
+    marker's) when a loader reads it. None for a folder outside the run folders this process works
+    in: a base model (`model.path`, maybe the output of SFT or of another run), whose files are the
+    user's, may carry no stamp or another run's, and may be links (the Hugging Face cache keeps
+    them so). None too for a folder without a marker: that is no checkpoint, and the callers that
+    load one of this run check `is_complete` first."""
+    folder = Path(folder)
+    if not in_run_folder(folder):
+        return None
     try:
-        rec = read_record(Path(folder) / MARKER, kind="checkpoint-complete")
+        rec = read_record(folder / MARKER, kind="checkpoint-complete")
     except Missing:
         return None
     except NotThereYet as exc:

@@ -145,15 +145,22 @@ def test_a_checkpoint_as_written_is_complete_stamped_and_loads_in_transformers_d
     assert torch.equal(dict(t.policy.lm.named_parameters())["model.norm.weight"].full_tensor(), lm.model.norm.weight)
 
 
-def test_a_base_model_is_the_users_folder_and_may_link_its_weights(written, tmp_path):
-    """The Hugging Face cache keeps a model's files as links into its blob store: a base model (no
-    marker) is loaded through them, unstamped."""
+def test_a_base_model_is_the_users_folder_and_may_link_or_leave_unstamped_its_weights(written, tmp_path):
+    """The base model lies outside the run folder and is not this run's checkpoint: the Hugging
+    Face cache keeps a model's files as links into its blob store, and an SFT output written
+    before weights were stamped has a marker but unstamped files. Both load."""
     from train.build import load_model
     from train.config import TrainConfig
+    from train.export import read_trainer_state
 
+    RunLayout(tmp_path / "run")  # this process works in a run folder, as a trainer does
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
     shutil.copytree(written["base"], blobs)
     snapshot.mkdir()
     for p in blobs.iterdir():
         (snapshot / p.name).symlink_to(p)
     assert load_model(TrainConfig(), snapshot, None).sharded
+    older = tmp_path / "sft-output"
+    shutil.copytree(written[("run-b", 1)], older)
+    shutil.copyfile(written["base"] / "model.safetensors", older / "model.safetensors")
+    assert load_model(TrainConfig(), older, read_trainer_state(older)).sharded

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from coordination.checkpoint_files import Stamp
-from coordination.checkpoints import CheckpointError, mark_complete
-from tests.ckpt_support import stamped_file
+from coordination.checkpoints import CheckpointError
 from train.config import TrainConfig
 from train.optim_state import load_optimizer_state, save_optimizer_state
 
@@ -47,7 +46,6 @@ def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, group):
     policy, opt = _trained(model_dir, group, "fsdp")
     assert save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0, stamp=Stamp("run-a", 1))
     assert not list((tmp_path / "ckpt").rglob("*.metadata"))   # DCP's pickled metadata is never written
-    mark_complete(tmp_path / "ckpt", iteration=1, run_id="run-a")
 
     plain = Policy(load_causal_lm(model_dir))
     opt2 = build_optimizer(plain.parameters(), TrainConfig())
@@ -68,11 +66,11 @@ def test_state_of_another_model_or_an_old_format_is_refused_with_the_fix(tmp_pat
     bigger = write_tiny_model(tmp_path / "bigger", layers=3)
     policy, opt = _trained(small, group, "ddp")
     save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0, stamp=Stamp("run-a", 1))
-    mark_complete(tmp_path / "ckpt", iteration=1, run_id="run-a")
     other = Policy(load_causal_lm(bigger))
     with pytest.raises(CheckpointError, match="remove .*optimizer"):
         load_optimizer_state(tmp_path / "ckpt", build_optimizer(other.parameters(), TrainConfig()), other)
-    stamped_file(tmp_path / "old" / "optimizer" / "rank-0.safetensors", "run-a", 1, 4)
-    mark_complete(tmp_path / "old", iteration=1, run_id="run-a")
+    old = tmp_path / "old" / "optimizer"
+    old.mkdir(parents=True)
+    (old / "rank-0.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no optimizer state written by this version"):
         load_optimizer_state(tmp_path / "old", build_optimizer(other.parameters(), TrainConfig()), other)
