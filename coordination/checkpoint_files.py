@@ -10,10 +10,10 @@ transformers and vLLM read; the metadata is free-form str -> str and both ignore
 reader compares that stamp with the marker's: one header read per file, nothing hashed, so the
 load path costs what it cost before.
 
-sshfs reports st_nlink 1 for every file (SFTP carries no link count), so there the stamp alone
-tells another run's hard-linked file apart; a hard link to this run's own file of the same
-iteration is harmless to read but is still refused where the count is visible, because a later
-write through the other name would change it.
+SFTP (version 3) carries no link count, so on sshfs the stamp alone tells another run's
+hard-linked file apart; a hard link to this run's own file of the same iteration is harmless to
+read but is still refused where the count is visible, because a write through the other name
+would change it.
 """
 from __future__ import annotations
 
@@ -49,8 +49,11 @@ class Stamp:
 
 
 def _fix(folder: Path) -> str:
-    # the advice of checkpoints._other_run, which refuses a whole folder of another run
-    return f"move {folder} out of the run folder and restart; the iteration is then trained again"
+    # Moving a folder away retrains its iteration only while LATEST has not reached it: the driver
+    # needs LATEST's checkpoint and nothing moves LATEST back.
+    return (f"put this run's own file back, or move {folder} out of the run folder and restart (that trains an "
+            f"iteration newer than LATEST again; for the checkpoint LATEST names, start a new run with model.path "
+            f"set to the newest checkpoint you trust)")
 
 
 def safetensors_header(fd: int, path: Path | str = "the file") -> tuple[dict, int]:
