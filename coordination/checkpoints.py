@@ -4,10 +4,10 @@ A checkpoint is a Hugging Face folder (weights, config, tokenizer, generation co
 and transformers load as they are, plus `optimizer/` (DCP shard files, one per trainer rank) and
 `trainer_state.json`. The marker `baton-complete.json` is written last and lists every file with
 its size; a folder is complete only when the marker validates and the files match: each opened
-without following links, none with a second name, and each safetensors file stamped with the
-marker's run and iteration (coordination/checkpoint_files.py). A resident
-trainer writes `optimizer/` after the weights are published, as a folder with its own marker
-(`publish_optimizer`; `optimizer_pending` says when it is still missing).
+without following links, none with a second name, each safetensors file stamped with the marker's
+run and iteration (coordination/checkpoint_files.py). A resident trainer writes `optimizer/` after
+the weights are published, as a folder with its own marker (`publish_optimizer`;
+`optimizer_pending` says when it is still missing).
 
 Publication renames a complete staging folder to `checkpoints/iter-N` in one step, and only then
 moves `checkpoints/LATEST` (a JSON record) forward. Readers therefore never see a half-written
@@ -76,10 +76,9 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
     """True when `folder` holds a valid marker and every file it lists, with the listed size.
 
     With `run_id` (every caller inside a run) a complete checkpoint of another run raises
-    CheckpointError naming both run ids instead of counting as this run's (docs/design.md §5 rule 2).
-    A listed file that is a symbolic link, has a second name, or is a safetensors file stamped
-    with another run or iteration than the marker's raises CheckpointError too: it is another
-    run's file under this run's marker, never "not written yet"."""
+    CheckpointError naming both run ids instead of counting as this run's (docs/design.md §5 rule 2),
+    as does a listed file that is a link, has a second name, or is stamped with another run or
+    iteration than the marker (another run's file under this run's marker, not "not written yet")."""
     folder = Path(folder)
     check_no_links(folder)
     try:
@@ -106,11 +105,10 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
 
 def stamp_of(folder: Path) -> Stamp | None:
     """The run and iteration every safetensors file of checkpoint `folder` must carry (its
-    marker's) when a loader reads it. None for a folder outside the run folders this process works
-    in: a base model (`model.path`, maybe the output of SFT or of another run), whose files are the
-    user's, may carry no stamp or another run's, and may be links (the Hugging Face cache keeps
-    them so). None too for a folder without a marker: that is no checkpoint, and the callers that
-    load one of this run check `is_complete` first."""
+    marker's) when a loader reads it. None outside the run folders this process works in: a base
+    model (`model.path`: any model, an SFT output, another run's checkpoint) is the user's, may
+    carry no stamp or another's, and may be links (the Hugging Face cache). None too without a
+    marker: no checkpoint; callers that load one of this run check `is_complete` first."""
     folder = Path(folder)
     if not in_run_folder(folder):
         return None

@@ -12,7 +12,9 @@ every parameter all ranks take part in one all-gather; only its owner keeps the 
 to the serving dtype, and writes it into its own safetensors file. Each rank's buffer is therefore
 its share of the published model (1/world of it), and every rank writes at the same time. The
 file names and the index (`model.safetensors.index.json`) follow the Hugging Face convention, so
-transformers and vLLM load the folder as it is.
+transformers and vLLM load the folder as it is. Each file carries the run id and iteration in its
+metadata, and loading a checkpoint of this run checks them on the fd it reads from
+(coordination/checkpoint_files.py).
 """
 from __future__ import annotations
 
