@@ -113,6 +113,25 @@ def test_a_linked_or_copied_file_of_another_checkpoint_is_refused_at_load(writte
     assert _digest(victim) == before, "the other run's files changed"
 
 
+def test_a_linked_optimizer_folder_and_a_hard_linked_config_are_refused_too(written, tmp_path):
+    """A link on a folder below the checkpoint (optimizer/ -> another run's) and a second name on
+    a file that carries no stamp (config.json, identical in both runs) pass a size check alike."""
+    folder = _ours(written, tmp_path)
+    other = written[("run-b", 1)]
+    shutil.rmtree(folder / "optimizer")
+    (folder / "optimizer").symlink_to(other / "optimizer")
+    with pytest.raises(CheckpointError) as refused:
+        is_complete(folder, run_id="run-a")
+    assert f"{folder / 'optimizer'} is a symbolic link (to {other / 'optimizer'})" in str(refused.value)
+    (folder / "optimizer").unlink()
+    shutil.copytree(written[("run-a", 1)] / "optimizer", folder / "optimizer")
+    assert is_complete(folder, run_id="run-a")
+    _plant("hardlink", other / "config.json", folder / "config.json")
+    with pytest.raises(CheckpointError) as refused:
+        is_complete(folder, run_id="run-a")
+    assert f"{folder / 'config.json'} has 2 names" in str(refused.value)
+
+
 def test_a_checkpoint_as_written_is_complete_stamped_and_loads_in_transformers_dcp_and_the_trainer(written, tmp_path,
                                                                                                   group):
     from safetensors import safe_open
