@@ -37,6 +37,7 @@ def worker(mode: str, model: Path, out: Path) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from coordination.checkpoint_files import Stamp
     from coordination.config import from_dict
     from train.build import Loaded, load_model, make_trainable
     from train.config import TrainConfig
@@ -45,7 +46,6 @@ def worker(mode: str, model: Path, out: Path) -> None:
     from train.lora import weights_source
     from train.model import load_causal_lm
     from train.parallel import full_state_dict
-    from coordination.checkpoint_files import Stamp
     from train.sharded import gather_share, write_config, write_share
 
     info = init_distributed(600.0)
