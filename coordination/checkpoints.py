@@ -3,9 +3,11 @@
 A checkpoint is a Hugging Face folder (weights, config, tokenizer, generation config) that vLLM
 and transformers load as they are, plus `optimizer/` (DCP shard files, one per trainer rank) and
 `trainer_state.json`. The marker `baton-complete.json` is written last and lists every file with
-its size; a folder is complete only when the marker validates and the files match. A resident
-trainer writes `optimizer/` after the weights are published, as a folder with its own marker
-(`publish_optimizer`; `optimizer_pending` says when it is still missing).
+its size; a folder is complete only when the marker validates and the files match: each opened
+without following links, none with a second name, each safetensors file stamped with the marker's
+run and iteration (coordination/checkpoint_files.py). A resident trainer writes `optimizer/` after
+the weights are published, as a folder with its own marker (`publish_optimizer`;
+`optimizer_pending` says when it is still missing).
 
 Publication renames a complete staging folder to `checkpoints/iter-N` in one step, and only then
 moves `checkpoints/LATEST` (a JSON record) forward. Readers therefore never see a half-written
@@ -22,10 +24,11 @@ import logging
 import os
 from pathlib import Path
 
-from coordination.layout import (RunLayout, check_no_links, iteration_number, optimizer_staging_identity,
-                                 staging_identity)
-from coordination.records import (NotThereYet, WrongRun, ensure_dir, fence_check, publish_record, read_record,
-                                  remove_tree, try_read)
+from coordination.checkpoint_files import CheckpointError, Stamp, check_stamp, open_listed
+from coordination.layout import (RunLayout, check_no_links, in_run_folder, iteration_number,
+                                 optimizer_staging_identity, staging_identity)
+from coordination.records import (Missing, NotThereYet, WrongRun, ensure_dir, fence_check, publish_record,
+                                  read_record, remove_tree, try_read)
 
 MARKER = "baton-complete.json"
 OPTIMIZER_DIR = "optimizer"
@@ -33,10 +36,6 @@ TRAINER_STATE = "trainer_state.json"
 ADAPTER_DIR = "adapter"  # LoRA adapters in peft's format (train/lora.py)
 
 _log = logging.getLogger("baton.checkpoints")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be published or used; the message says what to do."""
 
 
 def list_files(folder: Path) -> dict[str, int]:
@@ -77,7 +76,9 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
     """True when `folder` holds a valid marker and every file it lists, with the listed size.
 
     With `run_id` (every caller inside a run) a complete checkpoint of another run raises
-    CheckpointError naming both run ids instead of counting as this run's (docs/design.md §5 rule 2)."""
+    CheckpointError naming both run ids instead of counting as this run's (docs/design.md §5 rule 2),
+    as does a listed file that is a link, has a second name, or is stamped with another run or
+    iteration than the marker (another run's file under this run's marker, not "not written yet")."""
     folder = Path(folder)
     check_no_links(folder)
     try:
@@ -86,13 +87,39 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
         return False
     except WrongRun as exc:
         raise _other_run(folder, exc) from None
+    owner = Stamp(rec.run_id, int(rec.data["iteration"]))
     for rel, size in rec.data.get("files", {}).items():
         try:
-            if (folder / rel).stat().st_size != size:
-                return False
-        except FileNotFoundError:
+            fd, st = open_listed(folder, rel, owner)
+        except (FileNotFoundError, NotADirectoryError):
             return False
+        try:
+            if st.st_size != size:
+                return False
+            if rel.endswith(".safetensors"):
+                check_stamp(fd, folder / rel, folder, owner)
+        finally:
+            os.close(fd)
     return True
+
+
+def stamp_of(folder: Path) -> Stamp | None:
+    """The run and iteration every safetensors file of checkpoint `folder` must carry (its
+    marker's) when a loader reads it. None outside the run folders this process works in: a base
+    model (`model.path`: any model, an SFT output, another run's checkpoint) is the user's, may
+    carry no stamp or another's, and may be links (the Hugging Face cache). None too without a
+    marker: no checkpoint; callers that load one of this run check `is_complete` first."""
+    folder = Path(folder)
+    if not in_run_folder(folder):
+        return None
+    try:
+        rec = read_record(folder / MARKER, kind="checkpoint-complete")
+    except Missing:
+        return None
+    except NotThereYet as exc:
+        raise CheckpointError(f"{exc}: the checkpoint's completeness marker is damaged; restore the checkpoint, or "
+                              f"point LATEST at an older one with `scripts/recover.sh`") from None
+    return Stamp(rec.run_id, int(rec.data["iteration"]))
 
 
 def serving_weights(folder: Path) -> tuple[Path, Path | None]:

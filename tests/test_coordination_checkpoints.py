@@ -8,14 +8,14 @@ import pytest
 from coordination.layout import RunLayout
 from coordination.checkpoints import (CheckpointError, apply_retention, is_complete, mark_complete, policy_for,
                               publish_checkpoint, read_latest)
+from tests.ckpt_support import stamped_file
 
 
 def _staged(layout: RunLayout, iteration: int, attempt: int = 1, complete: bool = True) -> Path:
     folder = layout.checkpoint_staging(iteration, attempt)
-    (folder / "optimizer").mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"w" * (100 + iteration))
+    stamped_file(folder / "model.safetensors", "run-a", iteration, 100 + iteration)
     (folder / "config.json").write_text("{}")
-    (folder / "optimizer" / "rank-0.safetensors").write_bytes(b"o" * 10)
+    stamped_file(folder / "optimizer" / "rank-0.safetensors", "run-a", iteration, 10)
     if complete:
         mark_complete(folder, iteration=iteration, run_id="run-a")
     return folder
@@ -104,8 +104,7 @@ def _deferred(layout: RunLayout, iteration: int) -> Path:
     from coordination.records import publish_record
 
     folder = layout.checkpoint_staging(iteration, 1)
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"w" * (100 + iteration))
+    stamped_file(folder / "model.safetensors", "run-a", iteration, 100 + iteration)
     publish_record(folder / "trainer_state.json", "trainer-state", {"optimizer_deferred": True}, run_id="run-a",
                    generation=0)
     mark_complete(folder, iteration=iteration, run_id="run-a")
@@ -114,8 +113,7 @@ def _deferred(layout: RunLayout, iteration: int) -> Path:
 
 def _optimizer_staging(layout: RunLayout, iteration: int, attempt: int = 1, complete: bool = True) -> Path:
     folder = layout.optimizer_staging(iteration, attempt)
-    folder.mkdir(parents=True)
-    (folder / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"o" * (10 + iteration))
+    stamped_file(folder / "shard-00001-model-00001-of-00001.safetensors", "run-a", iteration, 10 + iteration)
     if complete:
         mark_complete(folder, iteration=iteration, run_id="run-a")
     return folder

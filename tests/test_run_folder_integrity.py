@@ -101,9 +101,10 @@ def test_recover_removes_only_staging_folders_named_by_baton(tmp_path):
 
 def _checkpoint(lay: RunLayout, iteration: int, run_id: str = RUN) -> Path:
     from coordination.checkpoints import mark_complete
+    from tests.ckpt_support import stamped_file
 
     folder = ensure_dir(lay.checkpoint_staging(iteration, 1))
-    (folder / "model.safetensors").write_bytes(b"w" * (10 + iteration))
+    stamped_file(folder / "model.safetensors", run_id, iteration, 10 + iteration)
     mark_complete(folder, iteration=iteration, run_id=run_id)
     return folder
 
@@ -492,6 +493,33 @@ def test_a_checkpoint_of_another_run_in_checkpoints_is_never_adopted(procs, tmp_
     assert "run-from-elsewhere" in out and ours in out, out[-3000:]
     assert read_record(lay.latest).data["iteration"] == 1
     assert not (lay.metrics(2)).exists()
+
+
+@pytest.mark.slow
+def test_a_same_size_copy_of_another_runs_weights_in_a_published_checkpoint_stops_the_restart(procs, tmp_path,
+                                                                                              assets):
+    """checkpoints/iter-1/model.safetensors is replaced by another run's weights of the same size
+    (the same file with another run id of the same length in its metadata, as a second run of this
+    config would write it); the marker's sizes all match. The restarted node stops naming the file
+    and both runs instead of sampling from or training on them, and LATEST stays at 1."""
+    from tests.e2e import fresh_log
+
+    lay = _stopped_after_iteration_1(procs, assets, fresh_log(tmp_path))
+    ours = read_record(lay.run_json).run_id
+    weights = lay.checkpoint(1) / "model.safetensors"
+    data = weights.read_bytes()
+    other = "f" * len(ours)
+    assert data.count(f'"{ours}"'.encode()) == 1
+    weights.unlink()
+    weights.write_bytes(data.replace(f'"{ours}"'.encode(), f'"{other}"'.encode()))
+    assert weights.stat().st_size == len(data)
+    _start(procs, "restart", assets, lay.root)
+    assert procs.wait_all(400)["restart"] != 0, procs.log("restart")[-3000:]
+    out = procs.log("restart")
+    assert f"{weights} belongs to run {other}, iteration 1, but the checkpoint that lists it is run {ours}, " \
+           f"iteration 1" in out, out[-3000:]
+    assert read_record(lay.latest).data["iteration"] == 1
+    assert not lay.checkpoint(2).exists() and not lay.metrics(2).exists()
 
 
 def test_training_data_is_never_prepared_from_another_runs_trajectories(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coordination.checkpoint_files import Stamp
 from coordination.checkpoints import CheckpointError
 from train.config import TrainConfig
 from train.optim_state import load_optimizer_state, save_optimizer_state
@@ -43,7 +44,7 @@ def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, group):
 
     model_dir = write_tiny_model(tmp_path / "tiny", layers=2)
     policy, opt = _trained(model_dir, group, "fsdp")
-    assert save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0)
+    assert save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0, stamp=Stamp("run-a", 1))
     assert not list((tmp_path / "ckpt").rglob("*.metadata"))   # DCP's pickled metadata is never written
 
     plain = Policy(load_causal_lm(model_dir))
@@ -64,7 +65,7 @@ def test_state_of_another_model_or_an_old_format_is_refused_with_the_fix(tmp_pat
     small = write_tiny_model(tmp_path / "small", layers=2)
     bigger = write_tiny_model(tmp_path / "bigger", layers=3)
     policy, opt = _trained(small, group, "ddp")
-    save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0)
+    save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0, stamp=Stamp("run-a", 1))
     other = Policy(load_causal_lm(bigger))
     with pytest.raises(CheckpointError, match="remove .*optimizer"):
         load_optimizer_state(tmp_path / "ckpt", build_optimizer(other.parameters(), TrainConfig()), other)

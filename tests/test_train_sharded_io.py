@@ -115,6 +115,7 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
             # while the next step already changes the state in memory.
             import torch.distributed as dist
 
+            from coordination.checkpoint_files import Stamp
             from coordination.checkpoints import mark_complete
             from train.optim_state import OptimizerWrite
 
@@ -127,7 +128,8 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
                             run_id=RUN_ID, iteration=1, tokenizer_source=model,
                             trainer_state={"optimizer_step": 1, "iteration": 1}, defer_optimizer=True)
             write = OptimizerWrite(folder, t.policy, t.optimizer, group=dist.new_group(backend="gloo"), rank=info.rank,
-                                   world_size=info.world_size, finish=lambda files: info.is_main and mark_complete(
+                                   world_size=info.world_size, stamp=Stamp(RUN_ID, 1),
+                                   finish=lambda files: info.is_main and mark_complete(
                                        folder, iteration=1, run_id=RUN_ID, expected=files))
             _step(t, cfg, info)  # the state changes while (or before) it is written: the copy must not
             write.wait(60.0)

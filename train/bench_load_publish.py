@@ -37,6 +37,7 @@ def worker(mode: str, model: Path, out: Path) -> None:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from coordination.checkpoint_files import Stamp
     from coordination.config import from_dict
     from train.build import Loaded, load_model, make_trainable
     from train.config import TrainConfig
@@ -75,7 +76,7 @@ def worker(mode: str, model: Path, out: Path) -> None:
             del state_dict
         else:
             share = gather_share(t.policy, info.rank, info.world_size, torch.float32)
-            write_share(share, target, info.rank)
+            write_share(share, target, info.rank, Stamp("bench", 0))
             if info.is_main:
                 write_config(t.policy, target, torch.float32)
             del share

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, remove_tree
+from coordination.checkpoint_files import Stamp
 from coordination.checkpoints import TRAINER_STATE, mark_complete
+from coordination.records import NotThereYet, ensure_dir, publish_record, read_record, remove_tree
 from train.config import LoRAConfig
 from train.distributed import DistInfo, agreed, all_reduce_sum
 from train.lora import merge_sources, write_adapters
@@ -78,12 +79,13 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
     from train.sharded import gather_adapters, gather_share, write_config, write_share
 
     use_lora = lora is not None and bool(lora.rank)
+    stamp = Stamp(run_id, iteration)  # in every safetensors file's metadata: whose file it is, checked at load
     reshard(policy)
     # Every rank decides alike: optimizer state exists after the first step on all ranks or none.
     has_state = all_reduce_sum([1.0 if optimizer_has_state(optimizer) else 0.0], info.device)[0] == info.world_size
     expected: list[str] = []
     if has_state and not defer_optimizer:
-        wrote = save_optimizer_state(out, policy, optimizer, info.rank)
+        wrote = save_optimizer_state(out, policy, optimizer, info.rank, stamp)
         flags = [0.0] * info.world_size
         flags[info.rank] = 1.0 if wrote else 0.0
         expected += [f"{OPTIMIZER_DIR}/{shard_file(r)}"
@@ -95,13 +97,13 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
         share = gather_share(policy, info.rank, info.world_size, dtype,
                              merge=merge_sources(policy.lm) if use_lora else None)
         expected += share.files
-        agreed("writing the weights", info, lambda: write_share(share, out, info.rank))
+        agreed("writing the weights", info, lambda: write_share(share, out, info.rank, stamp))
 
     def write_main() -> None:
         if not info.is_main:
             return
         if use_lora:
-            write_adapters(policy.lm.config, lora, Path(lora_record["base"]), adapters, out)
+            write_adapters(policy.lm.config, lora, Path(lora_record["base"]), adapters, out, stamp)
         if full_weights:
             write_config(policy, out, dtype)
         write_tokenizer(out, tokenizer_source)

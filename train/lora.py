@@ -17,6 +17,7 @@ checkpoint; `adapters` writes only `adapter/` (rank 0, from the gathered adapter
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordination.checkpoints import ADAPTER_DIR, CheckpointError
+from coordination.checkpoint_files import Stamp, check_stamp, open_listed, stamped
+from coordination.checkpoints import ADAPTER_DIR, CheckpointError, stamp_of
+from coordination.records import atomic_output
+from rollout.adapter import WEIGHTS_FILE
 from train.config import LoRAConfig
 
 _log = logging.getLogger("baton.train.lora")
@@ -99,7 +103,6 @@ def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int
     """Add adapters to `lm` in place (freezing the rest), loading `adapter` when given; returns
     the number of trainable parameters."""
     from peft import get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     try:
         with warnings.catch_warnings():   # peft calls a transformers property that transformers 5 deprecates
@@ -110,10 +113,10 @@ def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int
                               f"train.lora.target_modules against the model's layer names") from None
     fresh_adapters_on_host(lm)
     if adapter is not None:
-        path = adapter / "adapter_model.safetensors"
+        path = adapter / WEIGHTS_FILE
         if not path.exists():
             raise CheckpointError(f"{path} is missing; the checkpoint's adapters are incomplete")
-        result = set_peft_model_state_dict(peft_model, load_file(str(path)))
+        result = set_peft_model_state_dict(peft_model, read_adapters(adapter))
         missing = [k for k in result.missing_keys if "lora_" in k]
         if missing or result.unexpected_keys:
             raise CheckpointError(f"the adapters in {adapter} do not fit this model (missing {missing[:3]}, "
@@ -176,9 +179,26 @@ def merge_sources(lm: nn.Module) -> dict[str, MergeSource]:
     return out
 
 
-def write_adapters(config, cfg: LoRAConfig, base: Path, adapters: dict[str, torch.Tensor], out: Path) -> None:
+def read_adapters(adapter: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `adapter/adapter_model.safetensors`, read from one fd that was opened without
+    links and, for a checkpoint's adapters, checked to carry its marker's stamp."""
+    from safetensors.torch import load
+
+    owner = stamp_of(adapter.parent)
+    if owner is None:  # adapters outside a checkpoint: the user's files, as a base model's are
+        return load((adapter / WEIGHTS_FILE).read_bytes())
+    fd, st = open_listed(adapter.parent, f"{ADAPTER_DIR}/{WEIGHTS_FILE}", owner)
+    try:
+        check_stamp(fd, adapter / WEIGHTS_FILE, adapter.parent, owner)
+        return load(os.pread(fd, st.st_size, 0))
+    finally:
+        os.close(fd)
+
+
+def write_adapters(config, cfg: LoRAConfig, base: Path, adapters: dict[str, torch.Tensor], out: Path,
+                   stamp: Stamp) -> None:
     """Rank 0: write `out/adapter/` (peft's format, which vLLM loads) from the full adapter
-    tensors `adapters` (names of the policy's `lm`)."""
+    tensors `adapters` (names of the policy's `lm`), the weights stamped with `stamp`."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -194,3 +214,11 @@ def write_adapters(config, cfg: LoRAConfig, base: Path, adapters: dict[str, torc
     if left:
         raise CheckpointError(f"the gathered adapters lack {left[:3]}; cannot write the LoRA checkpoint")
     peft_model.save_pretrained(str(out / ADAPTER_DIR), safe_serialization=True)
+    # peft writes {"format": "pt"} as the metadata; the adapters are small, so they are stamped by
+    # writing the file once more with the stamp in its header.
+    path = out / ADAPTER_DIR / WEIGHTS_FILE
+    head, body = stamped(path.read_bytes(), stamp)
+    with atomic_output(path) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(head)
+            fh.write(body)

@@ -12,15 +12,23 @@ Loading reshards: DCP's Hugging Face reader rebuilds the global layout from thos
 or 4, or into DDP, and the reverse. `set_optimizer_state_dict` puts it into the optimizer.
 Only tensors are saved (AdamW: exp_avg, exp_avg_sq, step); the hyperparameters come from the
 config of the run that resumes.
+
+DCP fixes the metadata of the files it writes, so the writer's file streams add the run and
+iteration (`Stamp`) to each file's header as it is written (`_stamping_writer`), and loading
+checks every shard against the checkpoint's marker first (coordination/checkpoint_files.py).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from coordination.checkpoints import CheckpointError, OPTIMIZER_DIR
+from coordination.checkpoint_files import Stamp, check_stamp, open_listed, stamped
+from coordination.checkpoints import CheckpointError, OPTIMIZER_DIR, stamp_of
+from coordination.records import own_opener
 
 SEP = "::"
 
@@ -54,36 +62,96 @@ def _flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str,
     return flat, sd
 
 
+class _StampingStream:
+    """A shard file being written: DCP writes it in one call (safetensors.torch.save's bytes), which
+    this writes out with `stamp` added to the header. A second call would be a DCP that writes
+    otherwise, refused rather than left unstamped."""
+
+    def __init__(self, raw, stamp: Stamp, path) -> None:
+        self._raw, self._stamp, self._path, self._written = raw, stamp, path, False
+
+    def write(self, data) -> int:
+        if self._written:
+            raise CheckpointError(f"DCP wrote {self._path} in more than one piece; this torch version's writer "
+                                  f"cannot be stamped with the run's id: use the torch version requirements.txt pins")
+        self._written = True
+        head, body = stamped(data, self._stamp)
+        self._raw.write(head)
+        self._raw.write(body)
+        return len(memoryview(data))
+
+    def __getattr__(self, name):  # tell, flush, fileno, close: the file's own
+        return getattr(self._raw, name)
+
+
+def _stamping_writer(path: Path, stamp: Stamp):
+    """DCP's Hugging Face writer in distributed mode whose shard files carry `stamp` and are created
+    through `own_opener` (never through a link planted in the folder)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class StampingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, file, mode):
+            if "w" not in mode or not str(file).endswith(".safetensors"):
+                with super().create_stream(file, mode) as stream:
+                    yield stream
+                return
+            with open(file, mode, opener=own_opener) as raw:
+                yield _StampingStream(raw, stamp, file)
+
+    writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
+    writer.fs = StampingFileSystem()
+    return writer
+
+
 def has_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(bool(s) for s in optimizer.state.values())
 
 
-def save_optimizer_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> bool:
-    """Collective: write the optimizer state of `model`'s parameters into `folder/optimizer/`.
-    Returns whether this rank wrote a file (DCP writes a replicated tensor once)."""
+def save_optimizer_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                         stamp: Stamp) -> bool:
+    """Collective: write the optimizer state of `model`'s parameters into `folder/optimizer/`, each
+    file stamped with `stamp` (the checkpoint's run and iteration). Returns whether this rank wrote
+    a file (DCP writes a replicated tensor once)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     from torch.distributed.checkpoint.api import CheckpointException
 
     flat, _ = _flat(model, optimizer)
     out = optimizer_dir(folder)
     try:
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True))
+        dcp.save(flat, storage_writer=_stamping_writer(out, stamp))
     except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
         raise CheckpointError(f"writing the optimizer state to {out} failed: {exc}") from None
     return (out / shard_file(rank)).exists()
 
 
+def check_shards(folder: Path) -> list[str]:
+    """The safetensors files in `folder/optimizer/` (what DCP's reader reads: the whole folder). In a
+    checkpoint of this run each is opened without links, with one name, and must carry the
+    checkpoint's run and iteration (`stamp_of`: its marker's); headers only, nothing is hashed."""
+    src = optimizer_dir(folder)
+    owner = stamp_of(folder)
+    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors")) if src.is_dir() else []
+    for name in names if owner is not None else ():
+        fd, _ = open_listed(src, name, owner)
+        try:
+            check_stamp(fd, src / name, folder, owner)
+        finally:
+            os.close(fd)
+    return names
+
+
 def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
-    """Collective: fill `optimizer` from `folder/optimizer/`, resharded to this rank's slices.
-    Returns the number of parameters restored."""
+    """Collective: fill `optimizer` from `folder/optimizer/` of the complete checkpoint `folder`,
+    resharded to this rank's slices. Returns the number of parameters restored."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     src = optimizer_dir(folder)
-    if not any(src.glob("shard-*.safetensors")):
+    if not any(n.startswith("shard-") for n in check_shards(folder)):
         raise CheckpointError(f"{src} holds no optimizer state written by this version of baton (DCP shard files); "
                               f"remove {src} to start a fresh optimizer, or restore the checkpoint")
     from torch.distributed.checkpoint.api import CheckpointException
@@ -100,25 +168,23 @@ def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: 
 
 
 class OptimizerWrite:
-    """The optimizer state of one iteration on its way to disk while the trainer goes on (a
-    resident trainer, docs/design.md §9.6): `dcp.async_save` copies the state to host memory
+    """The optimizer state of one iteration (stamped with `stamp`) on its way to disk while the
+    trainer goes on (a resident trainer, docs/design.md §9.6): `dcp.async_save` copies the state to host memory
     before it returns (so the next steps, or an offload, may change the originals), then a
     thread writes each rank's pieces over the gloo group `group`; after that every rank learns who
     wrote a file, and `finish(files)` runs on this thread (rank 0: marker and publication).
     `wait()` joins it and raises what it raised."""
 
     def __init__(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, group, rank: int,
-                 world_size: int, finish) -> None:
+                 world_size: int, stamp: Stamp, finish) -> None:
         import threading
 
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
         self.folder = Path(folder)
         self.error: BaseException | None = None
         flat, _ = _flat(model, optimizer)
-        self._future = dcp.async_save(flat, storage_writer=HuggingFaceStorageWriter(str(self.folder), save_distributed=True),
-                                      process_group=group)
+        self._future = dcp.async_save(flat, storage_writer=_stamping_writer(self.folder, stamp), process_group=group)
         self._thread = threading.Thread(target=self._run, args=(group, rank, world_size, finish),
                                         name="optimizer-write", daemon=True)
         self._thread.start()

@@ -12,7 +12,9 @@ every parameter all ranks take part in one all-gather; only its owner keeps the 
 to the serving dtype, and writes it into its own safetensors file. Each rank's buffer is therefore
 its share of the published model (1/world of it), and every rank writes at the same time. The
 file names and the index (`model.safetensors.index.json`) follow the Hugging Face convention, so
-transformers and vLLM load the folder as it is.
+transformers and vLLM load the folder as it is. Each file carries the run id and iteration in its
+metadata, and loading a checkpoint of this run checks them on the fd it reads from
+(coordination/checkpoint_files.py).
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -28,8 +29,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from coordination.checkpoint_files import Stamp, check_stamp, open_listed, safetensors_header
+from coordination.checkpoints import CheckpointError, stamp_of
 from coordination.records import atomic_output
-from coordination.checkpoints import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 
@@ -62,13 +64,30 @@ def can_load_sharded(folder: Path) -> bool:
     return bool(weight_files(folder))
 
 
+def open_weights(path: Path, owner: Stamp | None) -> int:
+    """A read-only fd of weight file `path`. In a checkpoint (`owner`: its marker's stamp) the file
+    is opened without following links, refused with a second name, and must carry the stamp; a
+    base model's files (owner None) are the user's, links included (the Hugging Face cache)."""
+    path = Path(path)
+    if owner is None:
+        return os.open(path, os.O_RDONLY)
+    fd, _ = open_listed(path.parent, path.name, owner)
+    try:
+        check_stamp(fd, path, path.parent, owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def stored_names(folder: Path) -> set[str]:
     """Tensor names in `folder`'s safetensors files (headers only)."""
     names: set[str] = set()
+    owner = stamp_of(folder)
     for path in weight_files(folder):
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_weights(path, owner)
         try:
-            names.update(k for k in safetensors_header(fd)[0] if k != "__metadata__")
+            names.update(k for k in safetensors_header(fd, path)[0] if k != "__metadata__")
         finally:
             os.close(fd)
     return names
@@ -103,18 +122,13 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 
 
-def safetensors_header(fd: int) -> tuple[dict, int]:
-    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) of an open file."""
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    return json.loads(os.pread(fd, n, 8)), 8 + n
-
-
-def _pread_reader():
+def _pread_reader(owner: Stamp | None):
     """DCP's Hugging Face reader, reading each request's rows with pread instead of through a
     memory map: a mapped file's touched pages count in the process's RSS for as long as it is
     open, which made a rank's peak look like the whole file; pread copies only the requested
     rows into one buffer. Requests that slice beyond dim 0 (not FSDP2's layout) go through
-    safetensors as before."""
+    safetensors as before. Each file is opened by `open_weights` (a checkpoint's: no link, no
+    second name, `owner`'s stamp), so the bytes read are the ones checked."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.futures import Future
 
@@ -124,9 +138,9 @@ def _pread_reader():
             for req in plan.items:
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
             for file_name, reqs in per_file.items():
-                fd = os.open(file_name, os.O_RDONLY)
+                fd = open_weights(Path(file_name), owner)
                 try:
-                    header, data_start = safetensors_header(fd)
+                    header, data_start = safetensors_header(fd, file_name)
                     for req in reqs:
                         self._pread(fd, header, data_start, req, planner)
                 finally:
@@ -207,7 +221,7 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(dict(targets), storage_reader=_pread_reader()(str(folder)))
+        dcp.load(dict(targets), storage_reader=_pread_reader(stamp_of(folder))(str(folder)))
     except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
@@ -319,13 +333,14 @@ def gather_adapters(policy, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_share(share: Share, out: Path, rank: int) -> None:
-    """This rank's weight file (and on rank 0 the index), each written whole and renamed into place."""
+def write_share(share: Share, out: Path, rank: int, stamp: Stamp) -> None:
+    """This rank's weight file (and on rank 0 the index), each written whole and renamed into place.
+    The weights carry `stamp` (this run and iteration) in their metadata, which loading checks."""
     from safetensors.torch import save_file
 
     if share.file is not None:
         with atomic_output(Path(out) / share.file) as tmp:
-            save_file(share.tensors, str(tmp), metadata={"format": "pt"})
+            save_file(share.tensors, str(tmp), metadata={"format": "pt", **stamp.metadata()})
     if rank == 0 and share.index is not None:
         with atomic_output(Path(out) / INDEX) as tmp:
             Path(tmp).write_text(json.dumps(share.index, indent=2, sort_keys=True) + "\n")

@@ -79,6 +79,11 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     use_ref = cfg.kl_coef > 0
 
     def load_inputs():
+        # A checkpoint of this run is checked file by file before a byte is loaded (links, second
+        # names, every safetensors file's run and iteration); the base model is the user's.
+        if int(plan["input_iteration"]) > 0 and not is_complete(source, run_id=plan["run_id"]):
+            raise CheckpointError(f"the input checkpoint {source} is missing or incomplete; restore it, or point "
+                                  f"LATEST at an older complete checkpoint with `scripts/recover.sh`")
         ref = load_reference(cfg, Path(plan["reference_model"])) if use_ref else None
         state = read_trainer_state(source)
         return load_model(cfg, source, state), state, ref
@@ -190,6 +195,7 @@ def start_optimizer_write(held: Held, layout, iteration: int, attempt: int, info
     phase 11 has published iter-N, renames it to iter-N/optimizer. Returns the write."""
     import torch.distributed as dist
 
+    from coordination.checkpoint_files import Stamp
     from coordination.checkpoints import mark_complete, publish_optimizer
     from train.distributed import agreed
     from train.export import prepare_output_dir
@@ -220,7 +226,7 @@ def start_optimizer_write(held: Held, layout, iteration: int, attempt: int, info
                   "the weights were staged", iteration, written, time.monotonic() - started)
 
     return OptimizerWrite(folder, held.t.policy, held.t.optimizer, group=_write_group, rank=info.rank,
-                          world_size=info.world_size, finish=finish)
+                          world_size=info.world_size, stamp=Stamp(run_id, iteration), finish=finish)
 
 
 def settle_optimizer_write(held: Held | None, timeout: float) -> None:
