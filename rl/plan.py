@@ -104,7 +104,7 @@ class RunPlan:
         try:
             pools = [self.pool(split) for split in splits]
             if pools:
-                check_reward(self.cfg.tasks.reward, pools[0][0])
+                check_reward(self.cfg.tasks.reward, pools[0][0], self.cfg.tasks.reward_timeout)
         except (TaskFileError, RewardError) as exc:
             raise ConfigError(str(exc)) from None
         for split in splits:   # enough tasks for tasks_per_iteration / eval_tasks: the sampler's own check

@@ -44,7 +44,7 @@ def _bad_utf8(data: Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["non-utf8 task", "missing module", "raises", "returns text", "returns nan",
-                                  "too few train tasks", "too few eval tasks"])
+                                  "hangs", "too few train tasks", "too few eval tasks"])
 def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
     data = _data(tmp_path)
     log = tmp_path / "run"
@@ -52,9 +52,11 @@ def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
     model = tmp_path / "model"
     model.mkdir()
     reward = {"missing module": "no_such_module_xyz:fn", "raises": "tests.e2e_rewards:raises",
-              "returns text": "tests.e2e_rewards:returns_text", "returns nan": "tests.e2e_rewards:returns_nan"}
+              "returns text": "tests.e2e_rewards:returns_text", "returns nan": "tests.e2e_rewards:returns_nan",
+              "hangs": "tests.e2e_rewards:hangs"}
     expected = {"missing module": "cannot import module 'no_such_module_xyz'", "raises": "raised KeyError",
-                "returns text": "returned '1.0'", "returns nan": "returned nan"}
+                "returns text": "returned '1.0'", "returns nan": "returned nan",
+                "hangs": "reward 'tests.e2e_rewards:hangs' did not return within 1 s (tasks.reward_timeout)"}
     overrides = ()
     if case == "non-utf8 task":
         expected[case] = _bad_utf8(data)
@@ -67,7 +69,7 @@ def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
         expected[case] = f"tasks.eval_tasks=9 exceeds the 8 tasks of the eval file; lower eval_tasks or use " \
                          f"0 for the whole file ({data / 'eval.jsonl'})"
     else:
-        overrides = (f"tasks.reward={reward[case]}",)
+        overrides = (f"tasks.reward={reward[case]}", "tasks.reward_timeout=1")
     res = _run_sh(data, log, model, *overrides)
     assert res.returncode == 2, res.stderr[-3000:]
     assert expected[case] in res.stderr
