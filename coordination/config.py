@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -61,6 +62,8 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
+    if isinstance(value, float) and tp not in (str, Any):
+        finite(value, key)  # before a union's alternatives, so `float | None` names the real fault
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} is a section; give a mapping of its keys, not {value!r}")
@@ -208,9 +211,13 @@ def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
 def load_yaml(path: Path) -> dict:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # not the locale's encoding: every node reads the same keys
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}:{line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
+                          f"save it as UTF-8") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -300,9 +307,11 @@ def resolve_secret(value: str, key: str) -> str:
     if value.startswith("file:"):
         path = Path(value[5:]).expanduser()
         try:
-            secret = path.read_text().strip()
+            secret = path.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"{key}=file:{path}: cannot read it ({exc.strerror}); give a readable file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{key}=file:{path}: not UTF-8 text; save the secret as UTF-8") from None
         if not secret:
             raise ConfigError(f"{key}=file:{path}: the file is empty")
         return secret
@@ -342,6 +351,13 @@ def field_help(cls: type) -> dict[str, str]:
         if dataclasses.is_dataclass(tp):
             out.update({f"{f.name}.{k}": v for k, v in field_help(tp).items()})
     return out
+
+
+def finite(value: float, key: str) -> None:
+    """YAML reads `.inf` and `.nan` as floats, and both pass `> 0`: `train.lr=.inf` would publish a
+    checkpoint before anything failed, and an infinite timeout disables the wait it bounds."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number (got {value!r}); give a number such as 1.0 or 2.0e-4")
 
 
 def positive(value: float, key: str) -> None:

@@ -117,7 +117,7 @@ def _hash_of(config: dict) -> str:
 
 def read_config_yaml(layout: RunLayout) -> dict | None:
     try:
-        text = layout.config_yaml.read_text()
+        text = layout.config_yaml.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     data = yaml.safe_load(text)
