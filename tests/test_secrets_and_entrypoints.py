@@ -81,14 +81,16 @@ def test_a_literal_api_key_never_reaches_config_yaml_claims_dry_runs_or_messages
 WRAPPERS = [("run.sh", ["--help"]), ("status.sh", ["--help"]), ("recover.sh", ["--help"]), ("report.sh", ["--help"])]
 
 
+@pytest.mark.parametrize("pythonpath", ["{root}", "{root}:", ":{root}", "{root}::{root}/tests"])
 @pytest.mark.parametrize("script,args", WRAPPERS)
-def test_entrypoints_never_import_from_the_current_folder(tmp_path, script, args):
-    """`python -m` put the current folder first on the import path: a click.py there ran as click."""
+def test_entrypoints_never_import_from_the_current_folder(tmp_path, script, args, pythonpath):
+    """`python -m` put the current folder first on the import path: a click.py there ran as click.
+    An empty PYTHONPATH entry means the current folder too, and `python -P` keeps it."""
     marker = tmp_path / "MARKER"
     here = tmp_path / "somewhere"
     here.mkdir()
     (here / "click.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nraise SystemExit(9)\n")
-    e = env()
+    e = env(PYTHONPATH=pythonpath.format(root=ROOT))
     e.pop("PYTHONSAFEPATH", None)
     res = subprocess.run([str(ROOT / "scripts" / script), *args], cwd=here, env=e, capture_output=True, text=True,
                          timeout=60)
