@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from coordination.config import ConfigError, differences, dump_yaml, to_dict
+from coordination.config import MASK, ConfigError, differences, dump_yaml, is_secret_name, to_dict
 from coordination.layout import RunLayout
 from coordination.manifest import NODE_LOCAL_KEYS, master_address, read_config_yaml
 from coordination.phases import BY_NUMBER, phase_name
@@ -126,11 +126,17 @@ def dry_run(args, cfg) -> int:
             if args.debug_mode:
                 echo(f"  inference: the server you run at {inf.vllm.debug_url} (--debug-mode: never started here)")
             else:
-                spec = build_server(inf.vllm, policy, port=inf.vllm.port or 0, rank=args.rank, restart_count=0,
-                                    temperature=cfg.rollout.temperature, dtype=resolve_dtype(inf, on_gpu=not inf.vllm.cpu),
-                                    between_iterations=inf.between_iterations, cache_root=None)
-                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()) if k != "VLLM_API_KEY")
-                echo(f"  inference server: {env} {shlex.join(spec.argv)}")
+                try:
+                    spec = build_server(inf.vllm, policy, port=inf.vllm.port or 0, rank=args.rank, restart_count=0,
+                                        temperature=cfg.rollout.temperature,
+                                        dtype=resolve_dtype(inf, on_gpu=not inf.vllm.cpu),
+                                        between_iterations=inf.between_iterations, cache_root=None)
+                except ConfigError as exc:  # an unset env: reference; the inputs section says so too
+                    echo(f"  inference server: cannot be built: {exc}")
+                else:
+                    env = " ".join(f"{k}={shlex.quote(MASK if is_secret_name(k) else v)}"
+                                   for k, v in sorted(spec.env.items()) if k != "VLLM_API_KEY")
+                    echo(f"  inference server: {env} {shlex.join(spec.argv)}")
                 if inf.vllm.port == 0:
                     echo("    (--port 0: a free port is picked when the server starts)")
         else:

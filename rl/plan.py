@@ -115,6 +115,7 @@ class RunPlan:
                 raise ConfigError(f"{exc} ({Path(self.cfg.run.data_path) / name})") from None
         if kind.serves and self.cfg.inference.engine == "vllm":
             self.cfg.inference.vllm.resolved_api_key()  # an unset env: or unreadable file: is found now
+            self.cfg.inference.vllm.resolved_env()
 
     def tasks_of(self, split: str, iteration: int) -> list:
         if split == "train":
