@@ -20,7 +20,7 @@ import click
 
 from coordination.config import MASK, ConfigError, differences, dump_yaml, is_secret_name, to_dict
 from coordination.layout import RunLayout
-from coordination.manifest import NODE_LOCAL_KEYS, master_address, read_config_yaml
+from coordination.manifest import NODE_LOCAL_KEYS, JoinRefused, check_log_path_safe, master_address, read_config_yaml
 from coordination.phases import BY_NUMBER, phase_name
 from coordination.records import RecordError, try_read
 from rl.plan import RUNS_WHEN, make_plan
@@ -88,9 +88,10 @@ def dry_run(args, cfg) -> int:
     echo("## inputs\n")
     try:
         plan.check_inputs()
+        check_log_path_safe(args.log_path)
         refused = None
-        echo("  task files, reward and API key: checked as a start would (docs/design.md §5 rule 10)")
-    except ConfigError as exc:
+        echo("  task files, reward, API key, model and log path: checked as a start would (docs/design.md §5 rule 10)")
+    except (ConfigError, JoinRefused) as exc:
         refused = str(exc)
         echo(f"  refused: {refused}")
 
