@@ -13,7 +13,7 @@ import pytest
 
 from coordination.layout import RunLayout
 from rollout.tasks import arithmetic_tasks, write_tasks
-from tests.e2e import RUN_SH
+from tests.e2e import RUN_SH, weightless_model
 from tests.procs import ROOT, bench_node, env
 
 
@@ -91,8 +91,7 @@ def test_unusable_log_path_is_one_line_with_the_path_and_what_to_do(tmp_path, wh
     """Root ignores chmod 0o500, so a read-only mount and ENOTDIR (a path under a file) stand in
     for a folder this user may not write."""
     data = _data(tmp_path)
-    model = tmp_path / "model"
-    model.mkdir()
+    model = weightless_model(tmp_path / "model")
     mnt = None
     if where == "read-only filesystem":
         mnt = _ro_tmpfs(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 
 from coordination.manifest import JoinRefused, UnusableLogPath, check_log_path
 from rollout.tasks import arithmetic_tasks, write_tasks
-from tests.e2e import RUN_SH
+from tests.e2e import RUN_SH, weightless_model
 from tests.procs import ROOT, env
 
 
@@ -22,8 +22,11 @@ def _run_sh(tmp_path: Path, log: Path, *extra: str) -> subprocess.CompletedProce
         data.mkdir()
         write_tasks(data / "train.jsonl", train)
         write_tasks(data / "eval.jsonl", ev)
+    model = tmp_path / "model"
+    if not model.exists():
+        weightless_model(model)
     cmd = [RUN_SH, "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both", "--eval-interval", "1",
-           f"model.path={tmp_path}", *extra]
+           f"model.path={model}", "tasks.reward=tests.e2e_rewards:starts_with_digit", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
 
 

@@ -18,7 +18,7 @@ from rollout.engines.vllm_server import build_server
 from rl.runconfig import load_run_config
 from rollout.inference import VLLMConfig
 from rollout.tasks import arithmetic_tasks, write_tasks
-from tests.e2e import RUN_SH
+from tests.e2e import RUN_SH, weightless_model
 from tests.procs import ROOT, env
 
 SECRET = "sekrit-4f9a1c77e2"
@@ -89,9 +89,7 @@ def _data_and_model(tmp_path: Path) -> tuple[Path, Path]:
     train, ev = arithmetic_tasks(64, 8, digits=2, seed=1)   # 64: the default tasks.tasks_per_iteration
     write_tasks(data / "train.jsonl", train)
     write_tasks(data / "eval.jsonl", ev)
-    model = tmp_path / "model"  # empty: the run stops at its first phase, after join wrote its records
-    model.mkdir()
-    return data, model
+    return data, weightless_model(tmp_path / "model")
 
 
 def test_literal_secrets_never_reach_config_yaml_claims_dry_runs_or_messages(tmp_path):
