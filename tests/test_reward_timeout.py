@@ -9,6 +9,7 @@ import time
 import pyarrow.compute as pc
 import pytest
 
+from coordination import metrics
 from coordination.layout import RunLayout
 from rollout.aggregate import aggregate
 from rollout.chunks import read_chunk
@@ -128,6 +129,10 @@ def test_a_reward_hanging_during_a_rollout_ends_those_samples_and_they_are_count
     assert TIMED_OUT not in others["finish_reason"].to_pylist() and set(others["reward"].to_pylist()) == {1.0}
     quoted = [r.getMessage() for r in caplog.records if "ends without a reward" in r.getMessage()]
     assert len(quoted) == 3 and f"reward 'mine:hangs-on-one' did not return within 0.3 s" in quoted[0]
+    layout = RunLayout(tmp_path)
+    record = metrics.build(layout, layout.job("both"), run_id=RUN_ID, iteration=1, num_nodes=1, policy_iteration=0,
+                           train_attempt=None, eval_done=False)
+    assert record["train_reward_timeouts"] == 3   # what the per-iteration metrics, plots and W&B see
 
 
 def test_a_slow_reward_during_a_rollout_scores_every_sample(engine, tmp_path):
