@@ -86,25 +86,35 @@ class RunInfo:
 
 
 def check_log_path_safe(root: Path) -> None:
-    """The checks of `--log-path` that write nothing (the dry run makes them too): not a file, not
-    world-writable itself, and no world-writable folder above it without the sticky bit, where
-    anyone could rename the run folder away and put their own in its place (protocol rule 11)."""
+    """The checks of `--log-path` that write nothing (the dry run makes them too; protocol rule 11)."""
     root = Path(os.path.abspath(root))
     if root.exists() and not root.is_dir():
         raise UnusableLogPath(f"--log-path {root} exists and is not a directory; give a folder on the shared "
                               f"filesystem")
-    if root.is_dir():
-        mode = root.stat().st_mode
-        if mode & stat.S_IWOTH:
-            raise JoinRefused(
-                f"--log-path {root} is world-writable (mode {stat.filemode(mode)}); anyone on the cluster could "
-                f"forge coordination files. Run `chmod o-w {root}` (and keep it group-writable for your team) and "
-                f"retry.")
+    refuse_world_writable(root)
+    refuse_open_parents(root)
+
+
+def refuse_world_writable(root: Path) -> None:
+    """Anyone on the cluster could forge coordination files in a world-writable run folder."""
+    if not root.is_dir():
+        return
+    mode = root.stat().st_mode
+    if mode & stat.S_IWOTH:
+        raise JoinRefused(
+            f"--log-path {root} is world-writable (mode {stat.filemode(mode)}); anyone on the cluster could "
+            f"forge coordination files. Run `chmod o-w {root}` (and keep it group-writable for your team) and "
+            f"retry.")
+
+
+def refuse_open_parents(root: Path) -> None:
+    """In a world-writable folder without the sticky bit anyone may rename what another user made,
+    so they could move the run folder away and put their own in its place (/tmp's 1777 is fine)."""
     for parent in root.parents:
         try:
             mode = parent.stat().st_mode
         except (FileNotFoundError, NotADirectoryError):
-            continue  # created below, by this process, with DIR_MODE; an unusable part is found by the probe
+            continue  # created by this process with DIR_MODE; an unusable part is found by the write probe
         if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
             raise JoinRefused(
                 f"--log-path {root}: the folder {parent} above it is world-writable without the sticky bit (mode "
