@@ -291,7 +291,8 @@ SECRET_KEYS = ("inference.vllm.api_key",)
 SECRET_ENV_SECTION = "inference.vllm.env"
 MASK = "***"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD", re.IGNORECASE)
+# A word of the name, so HF_TOKEN and WANDB_API_KEY are secrets and TOKENIZERS_PARALLELISM is not.
+_SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|APIKEY)S?(_|$)", re.IGNORECASE)
 
 
 def is_secret_name(name: str) -> bool:

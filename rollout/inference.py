@@ -90,8 +90,8 @@ class VLLMConfig:
     env: dict[str, str] = option(
         factory=dict, help="extra environment of the server, e.g. {VLLM_CPU_KVCACHE_SPACE: '4'}; wins over the "
                            "cpu recipe. A value may be env:NAME or file:PATH (read when the server starts); a "
-                           "literal value of a name with TOKEN, KEY, SECRET or PASSWORD in it is shown as *** "
-                           "everywhere baton writes or prints")
+                           "literal value of a name with a word TOKEN, KEY, SECRET or PASSWORD (HF_TOKEN, "
+                           "WANDB_API_KEY) is shown as *** everywhere baton writes or prints")
     startup_timeout: float = option(
         900.0, "seconds to wait for /health and /v1/models after launching; GPU cold starts take 30-100+ s")
     stop_timeout: float = option(

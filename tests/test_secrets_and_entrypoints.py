@@ -52,10 +52,11 @@ def test_a_missing_key_source_is_named_without_the_secret(tmp_path, monkeypatch)
 def test_secret_looking_server_env_values_are_masked_and_may_be_references(monkeypatch):
     monkeypatch.setenv("BATON_TEST_TOKEN", SECRET)
     cfg = {"inference": {"vllm": {"api_key": "", "env": {"HF_TOKEN": SECRET, "WANDB_API_KEY": "env:BATON_TEST_TOKEN",
-                                                          "db_password": SECRET, "VLLM_CPU_KVCACHE_SPACE": "4"}}}}
+                                                          "db_password": SECRET, "VLLM_CPU_KVCACHE_SPACE": "4",
+                                                          "TOKENIZERS_PARALLELISM": "false"}}}}
     shown = redact(cfg)["inference"]["vllm"]["env"]
     assert shown == {"HF_TOKEN": "***", "WANDB_API_KEY": "env:BATON_TEST_TOKEN", "db_password": "***",
-                     "VLLM_CPU_KVCACHE_SPACE": "4"}
+                     "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
     assert cfg["inference"]["vllm"]["env"]["HF_TOKEN"] == SECRET  # a copy is masked, not the config
     spec = _build(VLLMConfig(env={"HF_TOKEN": "env:BATON_TEST_TOKEN", "OTHER": "x"}))
     assert spec.env["HF_TOKEN"] == SECRET and spec.env["OTHER"] == "x"
