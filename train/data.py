@@ -174,7 +174,9 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
         "steps": steps, "shards": shards,
         "zero_steps_reason": None if steps else (
             "every group has zero advantage (all samples of each task got the same reward)"
-            if cfg.algorithm == "grpo" else f"no sample reached train.rft_min_reward={cfg.rft_min_reward}"),
+            if cfg.algorithm == "grpo" else f"no sample reached train.rft_min_reward={cfg.rft_min_reward}") + (
+            f"; {len(timed_out)} groups left out for a reward that ran past tasks.reward_timeout"
+            if timed_out else ""),
         "stats": {"samples": len(rewards), "samples_kept": len(kept), "groups": selection.groups,
                   "groups_kept": selection.groups_kept, "zero_advantage_groups": selection.zero_advantage_groups,
                   "reward_timeout_groups": len(timed_out),
