@@ -53,6 +53,7 @@ def test_a_world_writable_parent_with_the_sticky_bit_is_accepted(shared):
     assert (shared / "run").is_dir()
 
 
+@pytest.mark.slow  # a start and a dry run that load the model's config and tokenizer: ~25 s on 2 loaded cores
 def test_run_sh_and_its_dry_run_refuse_a_world_writable_parent(tmp_path, shared):
     log = shared / "run"
     res = _run_sh(tmp_path, log)
