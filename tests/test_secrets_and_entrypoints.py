@@ -69,12 +69,11 @@ def test_secret_looking_server_env_values_are_masked_and_may_be_references(monke
 @pytest.mark.parametrize("override", [
     f"inference.vllm.api_key=[{SECRET}]", f"inference.vllm.api_key={{a: {SECRET}}}", f"inference.vllm.api_key=[{SECRET}",
     f"inference.vllm.api_key=env:{SECRET}-x", f"inference.vllm.env={{HF_TOKEN: [{SECRET}]}}",
-    f"inference.vllm.env={SECRET}", f"inference.vllm.env=[{SECRET}", f"inference.vllm.env.MY_KEY=env:{SECRET}-x"])
+    f"inference.vllm.env={SECRET}", f"inference.vllm.env=[{SECRET}", f"inference.vllm.env={{MY_KEY: env:{SECRET}-x}}"])
 def test_a_bad_secret_value_is_refused_without_echoing_it(override):
     with pytest.raises(ConfigError) as info:
         load_run_config([], [override])
-    assert SECRET not in str(info.value) and override.split("=")[0].removesuffix(".HF_TOKEN").removesuffix(
-        ".MY_KEY") in str(info.value)
+    assert SECRET not in str(info.value) and override.split("=")[0] in str(info.value)
 
 
 def test_an_unset_env_reference_in_the_server_env_is_named_at_the_input_check(monkeypatch):
