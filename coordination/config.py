@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -62,7 +63,19 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
+    try:
+        return _coerce_value(value, tp, key)
+    except ConfigError as exc:
+        about_the_env_section = key == SECRET_ENV_SECTION and not str(exc).startswith(key + ".")
+        if not (is_secret_key(key) or about_the_env_section):
+            raise
+        raise ConfigError(f"{key} must be {_type_name(tp)} (the value given is not shown: it is a secret)") from None
+
+
+def _coerce_value(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
+    if isinstance(value, float) and tp not in (str, Any):
+        finite(value, key)  # before a union's alternatives, so `float | None` names the real fault
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} is a section; give a mapping of its keys, not {value!r}")
@@ -185,7 +198,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc.problem})") from None
+        shown = f"{key.strip()}=..." if is_secret_key(key.strip()) or key.strip() == SECRET_ENV_SECTION else text
+        raise ConfigError(f"override {shown!r}: the value is not valid YAML ({exc.problem})") from None
     return key.strip(), value
 
 
@@ -210,9 +224,13 @@ def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
 def load_yaml(path: Path) -> dict:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # not the locale's encoding: every node reads the same keys
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}:{line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
+                          f"save it as UTF-8") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -267,12 +285,27 @@ def dump_yaml(cfg: Any) -> str:
 
 
 # -- secrets -----------------------------------------------------------------------------------
-# Keys whose value is a secret. Their value is given as `env:NAME` or `file:PATH` (a reference,
+# Keys whose value is a secret, and entries of inference.vllm.env whose names look like one
+# (HF_TOKEN, WANDB_API_KEY, ...). Their value is given as `env:NAME` or `file:PATH` (a reference,
 # read when used) or literally; a literal value is shown as *** wherever baton writes or prints
 # config: config.yaml, dry runs, claim records, messages (docs/design.md §5 rule 11).
 SECRET_KEYS = ("inference.vllm.api_key",)
+SECRET_ENV_SECTION = "inference.vllm.env"
 MASK = "***"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A word of the name, so HF_TOKEN and WANDB_API_KEY are secrets and TOKENIZERS_PARALLELISM is not.
+_SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|APIKEY)S?(_|$)", re.IGNORECASE)
+
+
+def is_secret_name(name: str) -> bool:
+    """An environment variable whose name says it holds a secret."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def is_secret_key(key: str) -> bool:
+    """A dotted config key whose value must never be shown."""
+    section, _, name = key.rpartition(".")
+    return key in SECRET_KEYS or (section == SECRET_ENV_SECTION and is_secret_name(name))
 
 
 def is_secret_reference(value: str) -> bool:
@@ -280,14 +313,16 @@ def is_secret_reference(value: str) -> bool:
 
 
 def check_secret_reference(value: str, key: str) -> None:
-    """A malformed env:/file: reference is a config error at load time, not at first use."""
+    """A malformed env:/file: reference is a config error at load time, not at first use. The
+    value is not repeated: a mistyped reference may be the secret itself."""
     if value.startswith("env:") and not _ENV_NAME.match(value[4:]):
-        raise ConfigError(f"{key}={value!r}: env: needs an environment variable name, e.g. env:BATON_VLLM_API_KEY")
+        raise ConfigError(f"{key}: env: must be followed by an environment variable name, e.g. "
+                          f"env:BATON_VLLM_API_KEY (the value given is not shown)")
     if value.startswith("file:") and not value[5:].strip():
-        raise ConfigError(f"{key}={value!r}: file: needs a path, e.g. file:/home/me/.baton/vllm-key")
+        raise ConfigError(f"{key}: file: needs a path, e.g. file:/home/me/.baton/vllm-key")
     if value == MASK:
-        raise ConfigError(f"{key} is {MASK!r}, the mask baton prints instead of a secret; give the key as env:NAME "
-                          f"or file:PATH")
+        raise ConfigError(f"{key} is {MASK!r}, the mask baton prints instead of a secret; give the secret as "
+                          f"env:NAME or file:PATH")
 
 
 def resolve_secret(value: str, key: str) -> str:
@@ -302,13 +337,19 @@ def resolve_secret(value: str, key: str) -> str:
     if value.startswith("file:"):
         path = Path(value[5:]).expanduser()
         try:
-            secret = path.read_text().strip()
+            secret = path.read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"{key}=file:{path}: cannot read it ({exc.strerror}); give a readable file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{key}=file:{path}: not UTF-8 text; save the secret as UTF-8") from None
         if not secret:
             raise ConfigError(f"{key}=file:{path}: the file is empty")
         return secret
     return value
+
+
+def _mask(value: Any) -> Any:
+    return MASK if value and not (isinstance(value, str) and is_secret_reference(value)) else value
 
 
 def redact(data: dict) -> dict:
@@ -318,18 +359,38 @@ def redact(data: dict) -> dict:
         node, parts = out, key.split(".")
         for p in parts[:-1]:
             node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node.get(parts[-1]) and not is_secret_reference(str(node[parts[-1]])):
-            node[parts[-1]] = MASK
+        if isinstance(node, dict) and parts[-1] in node:
+            node[parts[-1]] = _mask(node[parts[-1]])
+    env = out
+    for p in SECRET_ENV_SECTION.split("."):
+        env = env.get(p) if isinstance(env, dict) else None
+    if isinstance(env, dict):
+        for name in env:
+            if is_secret_name(str(name)):
+                env[name] = _mask(env[name])
     return out
 
 
 def redact_argv(argv: list[str]) -> list[str]:
-    """Command-line words with literal secrets of `key=value` overrides replaced by ***."""
+    """Command-line words with literal secrets of `key=value` overrides replaced by ***: the
+    secret keys, secret-named entries of inference.vllm.env, and such entries inside a whole
+    `inference.vllm.env={...}` mapping."""
     out = []
     for word in argv:
         key, sep, value = word.partition("=")
-        if sep and key.strip() in SECRET_KEYS and value and not is_secret_reference(value):
+        key = key.strip()
+        if sep and is_secret_key(key) and value and not is_secret_reference(value):
             word = f"{key}={MASK}"
+        elif sep and key == SECRET_ENV_SECTION:
+            try:
+                mapping = yaml.safe_load(value)
+            except yaml.YAMLError:
+                mapping = None
+            if not isinstance(mapping, dict):
+                word = f"{key}={MASK}"  # not a mapping: the run refuses it; still nothing to show
+            elif any(is_secret_name(str(k)) for k in mapping):
+                masked = {k: _mask(v) if is_secret_name(str(k)) else v for k, v in mapping.items()}
+                word = f"{key}={yaml.safe_dump(masked, default_flow_style=True, width=10**6).strip()}"
         out.append(word)
     return out
 
@@ -344,6 +405,13 @@ def field_help(cls: type) -> dict[str, str]:
         if dataclasses.is_dataclass(tp):
             out.update({f"{f.name}.{k}": v for k, v in field_help(tp).items()})
     return out
+
+
+def finite(value: float, key: str) -> None:
+    """YAML reads `.inf` and `.nan` as floats, and both pass `> 0`: `train.lr=.inf` would publish a
+    checkpoint before anything failed, and an infinite timeout disables the wait it bounds."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number (got {value!r}); give a number such as 1.0 or 2.0e-4")
 
 
 def positive(value: float, key: str) -> None:

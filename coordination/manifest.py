@@ -86,12 +86,51 @@ class RunInfo:
     pending: ConfigChange | None = None  # --resume with another config: not yet published
 
 
-def check_log_path(root: Path) -> None:
-    """Create the run directory if needed; refuse a world-writable one (protocol rule 11)."""
-    root = Path(root)
+def check_log_path_safe(root: Path) -> None:
+    """The checks of `--log-path` that write nothing (the dry run makes them too; protocol rule 11)."""
+    root = Path(os.path.abspath(root))
     if root.exists() and not root.is_dir():
         raise UnusableLogPath(f"--log-path {root} exists and is not a directory; give a folder on the shared "
                               f"filesystem")
+    refuse_world_writable(root)
+    refuse_open_parents(root)
+
+
+def refuse_world_writable(root: Path) -> None:
+    """Anyone on the cluster could forge coordination files in a world-writable run folder."""
+    if not root.is_dir():
+        return
+    mode = root.stat().st_mode
+    if mode & stat.S_IWOTH:
+        raise JoinRefused(
+            f"--log-path {root} is world-writable (mode {stat.filemode(mode)}); anyone on the cluster could "
+            f"forge coordination files. Run `chmod o-w {root}` (and keep it group-writable for your team) and "
+            f"retry.")
+
+
+def refuse_open_parents(root: Path) -> None:
+    """In a world-writable folder without the sticky bit anyone may rename what another user made,
+    so they could move the run folder away and put their own in its place (/tmp's 1777 is fine)."""
+    for parent in root.parents:
+        try:
+            mode = parent.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # created by this process with DIR_MODE; an unusable part is found by the write probe
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise JoinRefused(
+                f"--log-path {root}: the folder {parent} above it is world-writable without the sticky bit (mode "
+                f"{stat.filemode(mode)}); anyone on the cluster could rename the run folder away and put their own "
+                f"in its place. Run `chmod o-w {parent}` (or `chmod +t {parent}`, as /tmp has) or give another "
+                f"--log-path.")
+
+
+def check_log_path(root: Path) -> None:
+    """`check_log_path_safe`, then create the run directory if needed and prove it takes a real
+    write. A refusal leaves nothing behind: folders this call created are removed again."""
+    root = Path(root)
+    check_log_path_safe(root)
+    absolute = Path(os.path.abspath(root))
+    created = [p for p in [absolute, *absolute.parents] if not os.path.lexists(p)]
     try:
         ensure_dir(root)
         # A real write, not os.access: access() answers for the real uid and misses ACLs, root
@@ -104,12 +143,12 @@ def check_log_path(root: Path) -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
+        for folder in created:  # deepest first; only empty ones, and only those this call made
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
         raise _unusable(root, exc) from None
-    mode = root.stat().st_mode
-    if mode & stat.S_IWOTH:
-        raise JoinRefused(
-            f"--log-path {root} is world-writable (mode {stat.filemode(mode)}); anyone on the cluster could "
-            f"forge coordination files. Run `chmod o-w {root}` (and keep it group-writable for your team) and retry.")
 
 
 def _hash_of(config: dict) -> str:
@@ -119,7 +158,7 @@ def _hash_of(config: dict) -> str:
 def read_config_yaml(layout: RunLayout) -> dict | None:
     try:
         with open_own(layout.config_yaml, "rb") as fh:  # a linked config.yaml is not this run's
-            text = fh.read().decode()
+            text = fh.read().decode("utf-8")
     except FileNotFoundError:
         return None
     data = yaml.safe_load(text)

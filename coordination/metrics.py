@@ -13,7 +13,8 @@ from coordination.phases import BY_NUMBER
 from coordination.records import RecordError, try_read
 
 # Rollout stats copied to the top level of the record (as train_<key>) for plots and status.
-ROLLOUT_KEYS = ("reward_mean", "reward_std", "pass_at_1", "groups_all_solved", "groups_none_solved", "truncated")
+ROLLOUT_KEYS = ("reward_mean", "reward_std", "pass_at_1", "groups_all_solved", "groups_none_solved", "truncated",
+                "reward_timeouts")
 
 
 def _data(path: Path, kind: str | None, run_id: str) -> dict | None:

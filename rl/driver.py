@@ -177,7 +177,7 @@ class RLJob:
 
     def reward(self):
         if self._reward is None:
-            self._reward = load_reward(self.cfg.tasks.reward)
+            self._reward = load_reward(self.cfg.tasks.reward, self.cfg.tasks.reward_timeout)
         return self._reward
 
     # -- actions -------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import click
 
-from coordination.config import ConfigError, differences, dump_yaml, to_dict
+from coordination.config import MASK, ConfigError, differences, dump_yaml, is_secret_name, to_dict
 from coordination.layout import RunLayout
-from coordination.manifest import NODE_LOCAL_KEYS, master_address, read_config_yaml
+from coordination.manifest import NODE_LOCAL_KEYS, JoinRefused, check_log_path_safe, master_address, read_config_yaml
 from coordination.phases import BY_NUMBER, phase_name
 from coordination.records import RecordError, try_read
 from rl.plan import RUNS_WHEN, make_plan
@@ -88,9 +88,10 @@ def dry_run(args, cfg) -> int:
     echo("## inputs\n")
     try:
         plan.check_inputs()
+        check_log_path_safe(args.log_path)
         refused = None
-        echo("  task files, reward and API key: checked as a start would (docs/design.md §5 rule 10)")
-    except ConfigError as exc:
+        echo("  task files, reward, API key, model and log path: checked as a start would (docs/design.md §5 rule 10)")
+    except (ConfigError, JoinRefused) as exc:
         refused = str(exc)
         echo(f"  refused: {refused}")
 
@@ -126,11 +127,17 @@ def dry_run(args, cfg) -> int:
             if args.debug_mode:
                 echo(f"  inference: the server you run at {inf.vllm.debug_url} (--debug-mode: never started here)")
             else:
-                spec = build_server(inf.vllm, policy, port=inf.vllm.port or 0, rank=args.rank, restart_count=0,
-                                    temperature=cfg.rollout.temperature, dtype=resolve_dtype(inf, on_gpu=not inf.vllm.cpu),
-                                    between_iterations=inf.between_iterations, cache_root=None)
-                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()) if k != "VLLM_API_KEY")
-                echo(f"  inference server: {env} {shlex.join(spec.argv)}")
+                try:
+                    spec = build_server(inf.vllm, policy, port=inf.vllm.port or 0, rank=args.rank, restart_count=0,
+                                        temperature=cfg.rollout.temperature,
+                                        dtype=resolve_dtype(inf, on_gpu=not inf.vllm.cpu),
+                                        between_iterations=inf.between_iterations, cache_root=None)
+                except ConfigError as exc:  # an unset env: reference; the inputs section says so too
+                    echo(f"  inference server: cannot be built: {exc}")
+                else:
+                    env = " ".join(f"{k}={shlex.quote(MASK if is_secret_name(k) else v)}"
+                                   for k, v in sorted(spec.env.items()) if k != "VLLM_API_KEY")
+                    echo(f"  inference server: {env} {shlex.join(spec.argv)}")
                 if inf.vllm.port == 0:
                     echo("    (--port 0: a free port is picked when the server starts)")
         else:

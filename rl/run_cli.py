@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from coordination.config import SECRET_KEYS, ConfigError, is_secret_reference, redact_argv
+from coordination.config import ConfigError, redact_argv
 from coordination.records import restrict_umask
 from rl.jobs import KINDS, JobKind
 
@@ -149,10 +149,10 @@ def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict)
 
 def _warn_literal_secrets(overrides) -> None:
     for o in overrides:
-        key, _, value = o.partition("=")
-        if key.strip() in SECRET_KEYS and value and not is_secret_reference(value):
-            click.echo(f"warning: {key}=... on the command line is visible to every user through ps; give it as "
-                       f"{key}=env:NAME or {key}=file:PATH (baton shows it as *** everywhere it writes)", err=True)
+        if redact_argv([o]) != [o]:
+            key = o.partition("=")[0].strip()
+            click.echo(f"warning: {key}=... on the command line holds a secret that is visible to every user through "
+                       f"ps; give it as env:NAME or file:PATH (baton shows it as *** everywhere it writes)", err=True)
 
 
 def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker,

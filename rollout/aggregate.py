@@ -22,6 +22,7 @@ from coordination.records import NotThereYet, RecordError, WrongRun, publish_rec
 from rollout import store
 from rollout.chunks import Manifest, RolloutError, chunk_path, parquet_rows, read_chunk, read_done
 from rollout.eval import eval_metrics, pass_at_k
+from rollout.rewards import TIMED_OUT
 
 STATS_KIND = "rollout-stats"
 _log = log.get("aggregate")
@@ -158,6 +159,9 @@ def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manife
         "completion_tokens": _length_stats(lengths),
         "truncated": float(np.mean(pc.equal(table["finish_reason"], "length").to_numpy(zero_copy_only=False)))
         if table.num_rows else 0.0,
+        # Samples whose reward ran past tasks.reward_timeout (reward 0, not trained on).
+        "reward_timeouts": int(pc.sum(pc.equal(table["finish_reason"], TIMED_OUT)).as_py() or 0)
+        if table.num_rows else 0,
         "wall_seconds": wall,
         "tokens_per_s": sum(m.generated_tokens for m in manifests.values()) / wall if wall > 0 else 0.0,
         "per_rank": per_rank,

@@ -21,12 +21,17 @@ class TasksConfig:
     reward: str = option(
         "arithmetic", "reward function: 'arithmetic', 'math', or 'package.module:function' with the signature "
                       "fn(task, completion_text, finish_reason) -> float (see rollout/rewards.py)")
+    reward_timeout: float = option(
+        30.0, "seconds one reward call may take: a longer one at the start check refuses the run (exit 2); during a "
+              "rollout it ends that sample (finish_reason reward_timeout, reward 0, counted in the rollout stats, "
+              "its group not trained on). The call's thread cannot be stopped and runs on in the background")
 
     def __post_init__(self) -> None:
         for key in ("train_file", "eval_file"):
             if not getattr(self, key).strip():
                 raise ConfigError(f"{key} must name a JSONL file relative to --data-path (got an empty string)")
         positive(self.tasks_per_iteration, "tasks_per_iteration")
+        positive(self.reward_timeout, "reward_timeout")
         non_negative(self.eval_tasks, "eval_tasks")
         if not self.reward.strip():
             raise ConfigError("reward must be 'arithmetic', 'math' or 'package.module:function' (got an empty string)")

@@ -89,7 +89,9 @@ class VLLMConfig:
         factory=list, help="more server flags, appended last (so they win), e.g. ['--max-num-batched-tokens', '16384']")
     env: dict[str, str] = option(
         factory=dict, help="extra environment of the server, e.g. {VLLM_CPU_KVCACHE_SPACE: '4'}; wins over the "
-                           "cpu recipe")
+                           "cpu recipe. A value may be env:NAME or file:PATH (read when the server starts); a "
+                           "literal value of a name with a word TOKEN, KEY, SECRET or PASSWORD (HF_TOKEN, "
+                           "WANDB_API_KEY) is shown as *** everywhere baton writes or prints")
     startup_timeout: float = option(
         900.0, "seconds to wait for /health and /v1/models after launching; GPU cold starts take 30-100+ s")
     stop_timeout: float = option(
@@ -150,9 +152,10 @@ class VLLMConfig:
             if flag in MANAGED_FLAGS:
                 raise ConfigError(f"extra_args sets {flag}, which baton sets from {MANAGED_FLAGS[flag]}; "
                                   f"remove {arg!r} from extra_args and use that setting")
-        for name in self.env:
+        for name, value in self.env.items():
             if name in MANAGED_ENV:
                 raise ConfigError(f"env sets {name}, which baton sets from {MANAGED_ENV[name]}; remove it from env")
+            check_secret_reference(value, f"env.{name}")
         if self.debug_url and not self.debug_url.startswith(("http://", "https://")):
             raise ConfigError(f"debug_url must start with http:// or https:// (got {self.debug_url!r}), "
                               f"e.g. http://127.0.0.1:8000")
@@ -174,6 +177,11 @@ class VLLMConfig:
             return self.max_concurrency
         slots = self.data_parallel_size * (self.max_num_seqs or 1024)
         return max(1, -(-2 * slots // max(1, n)))
+
+    def resolved_env(self) -> dict[str, str]:
+        """`env` with every env:NAME or file:PATH value read now (a token such as HF_TOKEN given
+        that way never appears in config.yaml, claims or ps)."""
+        return {name: resolve_secret(value, f"inference.vllm.env.{name}") for name, value in self.env.items()}
 
     def resolved_api_key(self) -> str:
         """The key itself, read now from its env:NAME or file:PATH reference (or given literally)."""

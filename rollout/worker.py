@@ -29,7 +29,7 @@ from rollout.chunks import (Manifest, RolloutError, complete_groups, completion_
 from rollout.config import RolloutConfig
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.prompts import encode_prompt
-from rollout.rewards import RewardFn, load_reward
+from rollout.rewards import TIMED_OUT, RewardFn, RewardTimeout, load_reward
 from rollout.split import rank_slice, sample_iteration
 from rollout.tasks import Task, load_tasks
 
@@ -90,7 +90,17 @@ def _scored(engine: Engine, task: Task, prompt_ids: list[int], samples: list[Sam
     if len(samples) != group_size:
         raise RolloutError(f"engine {engine.name} returned {len(samples)} samples for task {task.id}, not "
                            f"{group_size}; the engine is broken")
-    return Group(task, prompt_ids, samples, [reward_fn(task, s.text, s.finish_reason) for s in samples])
+    samples, rewards = list(samples), []
+    for i, s in enumerate(samples):
+        try:
+            rewards.append(reward_fn(task, s.text, s.finish_reason))
+        except RewardTimeout as exc:
+            # One hung call must not stall the rank: the sample ends here, with its reason in its
+            # row (counted by aggregation, its group kept out of training) and in the log.
+            _log.warning("sample %d of task %s ends without a reward: %s", i, task.id, exc)
+            samples[i] = dataclasses.replace(s, finish_reason=TIMED_OUT)
+            rewards.append(0.0)
+    return Group(task, prompt_ids, samples, rewards)
 
 
 def _rows(group: Group, *, split: str, iteration: int, rank: int, generation: int, policy_iteration: int) -> list[dict]:

@@ -8,7 +8,14 @@ python="${BATON_PYTHON:-}"
 if [ -z "$python" ]; then
   if [ -x "$baton_root/.venv/bin/python" ]; then python="$baton_root/.venv/bin/python"; else python="$(command -v python3)"; fi
 fi
-export PYTHONPATH="$baton_root${PYTHONPATH:+:$PYTHONPATH}"
+# Python reads an empty PYTHONPATH entry (a leading, trailing or doubled ':') as the current
+# folder, which -P does not remove: keep only the non-empty entries.
+baton_path="$baton_root"
+IFS=':' read -r -a baton_entries <<< "${PYTHONPATH:-}"
+for entry in ${baton_entries[@]+"${baton_entries[@]}"}; do
+  if [ -n "$entry" ]; then baton_path="$baton_path:$entry"; fi
+done
+export PYTHONPATH="$baton_path"
 export PYTHONSAFEPATH=1
 if ! "$python" -P -c '' 2>/dev/null; then
   echo "baton needs Python 3.11 or newer (for python -P); $python is older. Set BATON_PYTHON to a newer interpreter." >&2

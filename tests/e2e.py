@@ -36,6 +36,17 @@ def make_assets(root: Path) -> tuple[Path, Path]:
     return data, model
 
 
+def weightless_model(folder: Path) -> Path:
+    """A tiny model folder without its weights: its config and tokenizer pass the input checks at
+    join, and the run stops at its first phase, after join wrote its records."""
+    from train.tiny import write_tiny_model
+
+    write_tiny_model(folder, layers=1)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    return folder
+
+
 def node_cmd(data: Path, model: Path, log: Path, *flags: str, overrides: tuple[str, ...] = ()) -> list[str]:
     return [RUN_SH, "--data-path", str(data), "--log-path", str(log), *flags, f"model.path={model}",
             *FAST, *overrides]

@@ -22,3 +22,10 @@ def returns_text(task, completion_text: str, finish_reason: str) -> float:
 
 def returns_nan(task, completion_text: str, finish_reason: str) -> float:
     return float("nan")
+
+
+def hangs(task, completion_text: str, finish_reason: str) -> float:
+    import time
+
+    time.sleep(3600)  # the start check must give up on it after tasks.reward_timeout
+    return 1.0

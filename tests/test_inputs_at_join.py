@@ -13,7 +13,7 @@ import pytest
 
 from coordination.layout import RunLayout
 from rollout.tasks import arithmetic_tasks, write_tasks
-from tests.e2e import RUN_SH
+from tests.e2e import RUN_SH, weightless_model
 from tests.procs import ROOT, bench_node, env
 
 
@@ -44,7 +44,7 @@ def _bad_utf8(data: Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["non-utf8 task", "missing module", "raises", "returns text", "returns nan",
-                                  "too few train tasks", "too few eval tasks"])
+                                  "hangs", "too few train tasks", "too few eval tasks"])
 def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
     data = _data(tmp_path)
     log = tmp_path / "run"
@@ -52,9 +52,11 @@ def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
     model = tmp_path / "model"
     model.mkdir()
     reward = {"missing module": "no_such_module_xyz:fn", "raises": "tests.e2e_rewards:raises",
-              "returns text": "tests.e2e_rewards:returns_text", "returns nan": "tests.e2e_rewards:returns_nan"}
+              "returns text": "tests.e2e_rewards:returns_text", "returns nan": "tests.e2e_rewards:returns_nan",
+              "hangs": "tests.e2e_rewards:hangs"}
     expected = {"missing module": "cannot import module 'no_such_module_xyz'", "raises": "raised KeyError",
-                "returns text": "returned '1.0'", "returns nan": "returned nan"}
+                "returns text": "returned '1.0'", "returns nan": "returned nan",
+                "hangs": "reward 'tests.e2e_rewards:hangs' did not return within 1 s (tasks.reward_timeout)"}
     overrides = ()
     if case == "non-utf8 task":
         expected[case] = _bad_utf8(data)
@@ -67,7 +69,7 @@ def test_bad_input_exits_2_at_join_and_writes_nothing(tmp_path, case):
         expected[case] = f"tasks.eval_tasks=9 exceeds the 8 tasks of the eval file; lower eval_tasks or use " \
                          f"0 for the whole file ({data / 'eval.jsonl'})"
     else:
-        overrides = (f"tasks.reward={reward[case]}",)
+        overrides = (f"tasks.reward={reward[case]}", "tasks.reward_timeout=1")
     res = _run_sh(data, log, model, *overrides)
     assert res.returncode == 2, res.stderr[-3000:]
     assert expected[case] in res.stderr
@@ -89,8 +91,7 @@ def test_unusable_log_path_is_one_line_with_the_path_and_what_to_do(tmp_path, wh
     """Root ignores chmod 0o500, so a read-only mount and ENOTDIR (a path under a file) stand in
     for a folder this user may not write."""
     data = _data(tmp_path)
-    model = tmp_path / "model"
-    model.mkdir()
+    model = weightless_model(tmp_path / "model")
     mnt = None
     if where == "read-only filesystem":
         mnt = _ro_tmpfs(tmp_path)

@@ -36,9 +36,14 @@ WORKED = {"parameters": 3.138, "gathered": 1.242, "gradients": 3.892, "AdamW": 6
 
 
 def _model(tmp_path: Path, config: dict = LLAMA_7B) -> Path:
+    """The model's config.json and a tokenizer (the dry run measures prompts with it), no weights."""
+    from train.tiny import build_tokenizer
+
     model = tmp_path / "model-7b"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(config))
+    if not (model / "tokenizer.json").exists():
+        build_tokenizer().save_pretrained(model)
     return model
 
 
@@ -121,13 +126,15 @@ def test_reload_beside_the_trainer_is_refused_with_its_numbers_and_the_settings_
 
 
 def test_gpu_example_with_sleep_passes_and_dry_run_prints_the_plan_without_weights(tmp_path):
+    before = sorted(p.name for p in _model(tmp_path).iterdir())
+    assert "config.json" in before and not any(name.endswith(".safetensors") for name in before)
     res = _dry_run(tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     plan = res.stdout.split("## memory plan per GPU", 1)[1]
     assert "6.74B parameters" in plan and "between_iterations=sleep (level 2)" in plan
     assert "of 80.0 GiB: fits" in plan and "34.42" in plan
     assert max(len(line) for line in plan.splitlines()) <= 100
-    assert sorted(p.name for p in (tmp_path / "model-7b").iterdir()) == ["config.json"]
+    assert sorted(p.name for p in (tmp_path / "model-7b").iterdir()) == before
     assert not (tmp_path / "run").exists()
 
 

@@ -2,7 +2,9 @@
 from the current folder; the bench leaves a user's folder's mode alone (issue 13 defect 10)."""
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -10,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from coordination.config import ConfigError
+from coordination.config import ConfigError, redact, redact_argv
 from coordination.layout import RunLayout
 from rollout.engines.vllm_server import build_server
+from rl.runconfig import load_run_config
 from rollout.inference import VLLMConfig
 from rollout.tasks import arithmetic_tasks, write_tasks
-from tests.e2e import RUN_SH
+from tests.e2e import RUN_SH, weightless_model
 from tests.procs import ROOT, env
 
 SECRET = "sekrit-4f9a1c77e2"
@@ -46,34 +49,69 @@ def test_a_missing_key_source_is_named_without_the_secret(tmp_path, monkeypatch)
             VLLMConfig(api_key=bad)
 
 
+def test_secret_looking_server_env_values_are_masked_and_may_be_references(monkeypatch):
+    monkeypatch.setenv("BATON_TEST_TOKEN", SECRET)
+    cfg = {"inference": {"vllm": {"api_key": "", "env": {"HF_TOKEN": SECRET, "WANDB_API_KEY": "env:BATON_TEST_TOKEN",
+                                                          "db_password": SECRET, "VLLM_CPU_KVCACHE_SPACE": "4",
+                                                          "TOKENIZERS_PARALLELISM": "false"}}}}
+    shown = redact(cfg)["inference"]["vllm"]["env"]
+    assert shown == {"HF_TOKEN": "***", "WANDB_API_KEY": "env:BATON_TEST_TOKEN", "db_password": "***",
+                     "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+    assert cfg["inference"]["vllm"]["env"]["HF_TOKEN"] == SECRET  # a copy is masked, not the config
+    spec = _build(VLLMConfig(env={"HF_TOKEN": "env:BATON_TEST_TOKEN", "OTHER": "x"}))
+    assert spec.env["HF_TOKEN"] == SECRET and spec.env["OTHER"] == "x"
+    argv = redact_argv([f"inference.vllm.env.HF_TOKEN={SECRET}", "inference.vllm.env.HF_TOKEN=env:T",
+                        f"inference.vllm.env={{HF_TOKEN: {SECRET}, OTHER: x}}", "inference.vllm.env.OTHER=x"])
+    assert argv == ["inference.vllm.env.HF_TOKEN=***", "inference.vllm.env.HF_TOKEN=env:T",
+                    "inference.vllm.env={HF_TOKEN: '***', OTHER: x}", "inference.vllm.env.OTHER=x"]
+
+
+@pytest.mark.parametrize("override", [
+    f"inference.vllm.api_key=[{SECRET}]", f"inference.vllm.api_key={{a: {SECRET}}}", f"inference.vllm.api_key=[{SECRET}",
+    f"inference.vllm.api_key=env:{SECRET}-x", f"inference.vllm.env={{HF_TOKEN: [{SECRET}]}}",
+    f"inference.vllm.env={SECRET}", f"inference.vllm.env=[{SECRET}", f"inference.vllm.env={{MY_KEY: env:{SECRET}-x}}"])
+def test_a_bad_secret_value_is_refused_without_echoing_it(override):
+    with pytest.raises(ConfigError) as info:
+        load_run_config([], [override])
+    assert SECRET not in str(info.value) and override.split("=")[0] in str(info.value)
+
+
+def test_an_unset_env_reference_in_the_server_env_is_named_at_the_input_check(monkeypatch):
+    monkeypatch.delenv("BATON_TEST_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="inference.vllm.env.HF_TOKEN=env:BATON_TEST_TOKEN: environment variable "
+                                          "BATON_TEST_TOKEN is not set"):
+        VLLMConfig(env={"HF_TOKEN": "env:BATON_TEST_TOKEN"}).resolved_env()
+
+
 def _data_and_model(tmp_path: Path) -> tuple[Path, Path]:
     data = tmp_path / "data"
     data.mkdir()
     train, ev = arithmetic_tasks(64, 8, digits=2, seed=1)   # 64: the default tasks.tasks_per_iteration
     write_tasks(data / "train.jsonl", train)
     write_tasks(data / "eval.jsonl", ev)
-    model = tmp_path / "model"  # empty: the run stops at its first phase, after join wrote its records
-    model.mkdir()
-    return data, model
+    return data, weightless_model(tmp_path / "model")
 
 
-def test_a_literal_api_key_never_reaches_config_yaml_claims_dry_runs_or_messages(tmp_path):
+def test_literal_secrets_never_reach_config_yaml_claims_dry_runs_or_messages(tmp_path):
     data, model = _data_and_model(tmp_path)
     log = tmp_path / "run"
     log.mkdir(mode=0o750)
     args = [RUN_SH, "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both", "--eval-interval", "1",
             f"model.path={model}", "tasks.reward=tests.e2e_rewards:starts_with_digit",
-            f"inference.vllm.api_key={SECRET}", "coordination.heartbeat_interval=0.5", "coordination.peer_timeout=3"]
+            f"inference.vllm.api_key={SECRET}", f"inference.vllm.env={{HF_TOKEN: {SECRET}}}",
+            "coordination.heartbeat_interval=0.5", "coordination.peer_timeout=3"]
     dry = subprocess.run(args + ["--dry-run"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert "api_key: '***'" in dry.stdout and "visible to every user through ps" in dry.stderr
+    assert "api_key: '***'" in dry.stdout and "HF_TOKEN: '***'" in dry.stdout
+    assert dry.stderr.count("visible to every user through ps") == 2
     res = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert res.returncode != 0  # the empty model folder ends it at phase 1
     for text in (dry.stdout, dry.stderr, res.stdout, res.stderr):
         assert SECRET not in text
     lay = RunLayout(log)
-    assert "api_key: '***'" in lay.config_yaml.read_text()
-    assert "inference.vllm.api_key=***" in lay.job("both").claim(0, 1).read_text()
+    assert "api_key: '***'" in lay.config_yaml.read_text() and "HF_TOKEN: '***'" in lay.config_yaml.read_text()
+    command = shlex.split(json.loads(lay.job("both").claim(0, 1).read_text())["data"]["command"])
+    assert "inference.vllm.api_key=***" in command and "inference.vllm.env={HF_TOKEN: '***'}" in command
     leaked = [p for p in log.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaked == []
 
@@ -81,14 +119,16 @@ def test_a_literal_api_key_never_reaches_config_yaml_claims_dry_runs_or_messages
 WRAPPERS = [("run.sh", ["--help"]), ("status.sh", ["--help"]), ("recover.sh", ["--help"]), ("report.sh", ["--help"])]
 
 
+@pytest.mark.parametrize("pythonpath", ["{root}", "{root}:", ":{root}", "{root}::{root}/tests"])
 @pytest.mark.parametrize("script,args", WRAPPERS)
-def test_entrypoints_never_import_from_the_current_folder(tmp_path, script, args):
-    """`python -m` put the current folder first on the import path: a click.py there ran as click."""
+def test_entrypoints_never_import_from_the_current_folder(tmp_path, script, args, pythonpath):
+    """`python -m` put the current folder first on the import path: a click.py there ran as click.
+    An empty PYTHONPATH entry means the current folder too, and `python -P` keeps it."""
     marker = tmp_path / "MARKER"
     here = tmp_path / "somewhere"
     here.mkdir()
     (here / "click.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\nraise SystemExit(9)\n")
-    e = env()
+    e = env(PYTHONPATH=pythonpath.format(root=ROOT))
     e.pop("PYTHONSAFEPATH", None)
     res = subprocess.run([str(ROOT / "scripts" / script), *args], cwd=here, env=e, capture_output=True, text=True,
                          timeout=60)

@@ -142,3 +142,21 @@ def test_several_epochs_reshuffle_and_use_every_sample_once_per_epoch(tmp_path):
     assert sorted(per_step[0] + per_step[1]) == sorted(per_step[2] + per_step[3])   # each pass covers all 16
     assert len(set(per_step[0] + per_step[1])) == 16
     assert per_step[0] != per_step[2]                                                # reshuffled
+
+
+def test_a_group_with_a_timed_out_reward_is_not_trained_on(tmp_path):
+    """A sample whose reward ran past tasks.reward_timeout carries reward 0, which is no score:
+    its whole group is left out, where its 0 would otherwise give the others advantages."""
+    from rollout.rewards import TIMED_OUT
+
+    layout = RunLayout(tmp_path)
+    rows = _mixed_rows()
+    for r in rows:
+        if r["task_id"] == "t1" and r["sample_index"] == 1:
+            r.update(reward=0.0, finish_reason=TIMED_OUT)
+    _write(layout, rows)
+    plan = read_plan(_prepare(layout, TrainConfig(micro_batch_tokens=32)))
+    assert plan["stats"]["reward_timeout_groups"] == 1 and plan["stats"]["samples_kept"] == 12
+    kept = {r["task_id"] for s in plan["shards"]
+            for rows_ in read_shard(layout.training_dir(1) / s["file"], s["sha256"]).values() for r in rows_}
+    assert kept == {"t2", "t4", "t5"}

@@ -26,6 +26,7 @@ from coordination.config import to_dict
 from coordination.layout import RunLayout
 from coordination.records import NotThereYet, WrongRun, publish_record, read_record
 from rollout import store
+from rollout.rewards import TIMED_OUT
 from train.advantages import Selection, grpo_selection, rft_selection
 from train.batches import sha256_of, write_shard
 from train.config import TrainConfig, check_world_size
@@ -151,8 +152,11 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
     source = layout.rollout_all("train", iteration)
     rows = _read_trajectories(source, iteration, run_id)
     selection = select(rows, cfg)
-    # A sample without completion tokens has nothing to train on.
-    kept = [(i, a) for i, a in zip(selection.indices, selection.advantages) if rows["completion_ids"][i]]
+    # A sample without completion tokens has nothing to train on. A group with a sample whose
+    # reward ran past tasks.reward_timeout has no honest advantages: its 0 is not a score.
+    timed_out = {t for t, f in zip(rows["task_id"], rows["finish_reason"]) if f == TIMED_OUT}
+    kept = [(i, a) for i, a in zip(selection.indices, selection.advantages)
+            if rows["completion_ids"][i] and rows["task_id"][i] not in timed_out]
     steps, shard_rows = _plan_steps(rows, kept, cfg, world_size, data_seed(cfg.seed, iteration))
 
     shards = []
@@ -170,9 +174,12 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
         "steps": steps, "shards": shards,
         "zero_steps_reason": None if steps else (
             "every group has zero advantage (all samples of each task got the same reward)"
-            if cfg.algorithm == "grpo" else f"no sample reached train.rft_min_reward={cfg.rft_min_reward}"),
+            if cfg.algorithm == "grpo" else f"no sample reached train.rft_min_reward={cfg.rft_min_reward}") + (
+            f"; {len(timed_out)} groups left out for a reward that ran past tasks.reward_timeout"
+            if timed_out else ""),
         "stats": {"samples": len(rewards), "samples_kept": len(kept), "groups": selection.groups,
                   "groups_kept": selection.groups_kept, "zero_advantage_groups": selection.zero_advantage_groups,
+                  "reward_timeout_groups": len(timed_out),
                   "mean_reward": float(rewards.mean()) if len(rewards) else 0.0,
                   "completion_tokens": sum(s["completion_tokens"] for s in steps)},
     }

@@ -125,7 +125,7 @@ def build_server(cfg: VLLMConfig, model_dir: Path, *, port: int, rank: int, rest
     env = dict(CPU_RECIPE_ENV) if cfg.cpu else {}
     if cfg.cpu and cache_root is not None:
         env["VLLM_CACHE_ROOT"] = str(cache_root)
-    env.update(cfg.env)
+    env.update(cfg.resolved_env())
     # Set explicitly both ways so a VLLM_SERVER_DEV_MODE=1 inherited from the user's shell cannot
     # open unauthenticated routes on a public interface.
     env["VLLM_SERVER_DEV_MODE"] = "1" if dev_routes else "0"
