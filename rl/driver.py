@@ -300,7 +300,9 @@ class RLJob:
             if self.cfg.inference.between_iterations == "restart":
                 self.engine.stop()
             elif self.cfg.inference.between_iterations == "sleep":
-                self.engine.sleep()
+                # Phase 12 wakes it with the new checkpoint: other base weights, unless only adapters change.
+                lora = self.cfg.train.lora
+                self.engine.sleep(new_weights=self.kind.trains and not (lora.rank and lora.publish == "adapters"))
         return {}
 
     def checkpoint_done(self, iteration: int) -> bool:

@@ -119,8 +119,9 @@ class Engine(abc.ABC):
         raise EngineError(f"the {self.name} engine cannot serve LoRA adapters ({adapter_dir}); use the transformers "
                           f"or vllm engine, or publish merged checkpoints (train.lora.publish=merged)")
 
-    def sleep(self) -> None:
-        """Free the accelerator between rollouts while keeping the engine's process (default: stop)."""
+    def sleep(self, *, new_weights: bool = False) -> None:
+        """Free the accelerator between rollouts while keeping the engine's process (default: stop).
+        `new_weights`: the next wake serves other weights, so the current ones need not be kept."""
         self.stop()
 
     def wake(self, model_dir: Path) -> None:

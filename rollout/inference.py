@@ -84,7 +84,8 @@ class VLLMConfig:
            "draw the same unseeded samples")
     sleep_level: int = option(
         2, "vLLM sleep level with between_iterations=sleep: 2 discards the weights (they are reloaded on wake, "
-           "as RL changes them anyway), 1 keeps a copy in CPU RAM")
+           "as RL changes them anyway), 1 keeps a copy in CPU RAM; a sleep that a wake with a new checkpoint "
+           "follows (every sleep of a job that trains) uses 2 whatever this says")
     extra_args: list[str] = option(
         factory=list, help="more server flags, appended last (so they win), e.g. ['--max-num-batched-tokens', '16384']")
     env: dict[str, str] = option(

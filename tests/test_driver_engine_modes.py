@@ -35,8 +35,8 @@ class RecordingEngine(Engine):
         self.calls.append(("reload", Path(model_dir).name))
         self.model_dir = Path(model_dir)
 
-    def sleep(self):
-        self.calls.append(("sleep", ""))  # keeps serving state, like vLLM's /sleep
+    def sleep(self, *, new_weights=False):
+        self.calls.append(("sleep", "new weights next" if new_weights else ""))  # keeps serving state, like /sleep
 
     def wake(self, model_dir):
         self.calls.append(("wake", Path(model_dir).name))
@@ -69,7 +69,7 @@ class FakeNode:
 @pytest.mark.parametrize("mode,expected", [
     ("restart", [("start", "iter-0"), ("stop", ""), ("start", "iter-1")]),
     ("reload", [("start", "iter-0"), ("reload", "iter-1")]),
-    ("sleep", [("start", "iter-0"), ("sleep", ""), ("wake", "iter-1")]),
+    ("sleep", [("start", "iter-0"), ("sleep", "new weights next"), ("wake", "iter-1")]),
 ])
 def test_engine_between_iterations(monkeypatch, tmp_path, mode, expected):
     cfg = load(RunConfig, [], [f"inference.between_iterations={mode}", "model.path=/m", "run.max_iterations=3"])
@@ -111,6 +111,7 @@ class AdapterRecordingEngine(RecordingEngine):
     ("restart", [("start", "base"), ("adapter", ""), ("stop", ""), ("start", "base"), ("adapter", "iter-1"),
                  ("stop", ""), ("start", "base"), ("adapter", "iter-2")]),
     ("reload", [("start", "base"), ("adapter", ""), ("adapter", "iter-1"), ("adapter", "iter-2")]),
+    # the base weights stay: the sleep keeps them (the configured level), the wake swaps the adapter
     ("sleep", [("start", "base"), ("adapter", ""), ("sleep", ""), ("wake", "base"), ("adapter", "iter-1"),
                ("sleep", ""), ("wake", "base"), ("adapter", "iter-2")]),
 ])
@@ -126,7 +127,8 @@ def test_adapters_only_checkpoints_are_served_as_the_base_plus_their_adapter(mon
         (folders[it] / "adapter").mkdir(parents=True)
         publish_record(folders[it] / "trainer_state.json", "trainer-state",
                        {"lora": {"rank": 4, "publish": "adapters", "base": str(base)}}, run_id="r", generation=0)
-    cfg = load(RunConfig, [], [f"inference.between_iterations={mode}", f"model.path={base}", "run.max_iterations=3"])
+    cfg = load(RunConfig, [], [f"inference.between_iterations={mode}", f"model.path={base}", "run.max_iterations=3",
+                               "train.lora.rank=4", "train.lora.publish=adapters"])
     args = RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0)
     job = RLJob(args, cfg, FakeNode(tmp_path))
     engine = AdapterRecordingEngine()

@@ -1,16 +1,15 @@
-"""The trainer's process-group backend: NCCL on CUDA plus gloo for the CPU whenever a lever keeps
-trainer tensors in host memory; gloo alone on CPU runs (train/distributed.py)."""
+"""The trainer's process-group backend: on CUDA always NCCL plus gloo for CPU tensors, so a later
+plan of a resident trainer that turns on a host-memory lever finds a CPU backend; gloo alone on CPU
+runs (train/distributed.py)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import pytest
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from rl.runconfig import load_run_config
 from tests.procs import ROOT, env
-from train.distributed import offloads_to_cpu, process_group_backend
+from train.distributed import process_group_backend
 
 
 def _devices(backend: str) -> dict[str, str]:
@@ -18,30 +17,17 @@ def _devices(backend: str) -> dict[str, str]:
     return BackendConfig(Backend(backend)).get_device_backend_map()
 
 
-@pytest.mark.parametrize("lever", ["train.fsdp_cpu_offload=true", "train.optim_cpu_offload=true"])
-def test_cuda_trainer_that_offloads_to_cpu_gets_gloo_for_cpu_tensors(lever):
-    train = load_run_config([], [lever]).train
-    assert offloads_to_cpu(train) and offloads_to_cpu({k: getattr(train, k) for k in
-                                                       ("fsdp_cpu_offload", "optim_cpu_offload")})
-    backend = process_group_backend("cuda", cpu_offload=offloads_to_cpu(train))
-    assert backend == "cuda:nccl,cpu:gloo"
-    assert _devices(backend) == {"cuda": "nccl", "cpu": "gloo"}
+def test_a_cuda_trainer_group_has_gloo_for_cpu_tensors_whatever_its_first_plan_says():
+    # A plain NCCL group has no backend for CPU tensors ("No backend type associated with device
+    # type cpu") the first time a later plan's fsdp_cpu_offload or optim_cpu_offload needs one.
+    assert _devices(process_group_backend("cuda")) == {"cuda": "nccl", "cpu": "gloo"}
+    assert process_group_backend("cpu") == "gloo"
 
 
-def test_cuda_trainer_without_offload_stays_nccl_only_and_cpu_runs_stay_gloo():
-    train = load_run_config([], []).train
-    assert not offloads_to_cpu(train)
-    # plain NCCL has no backend for CPU tensors: the "No backend type associated with device type
-    # cpu" of issue 12 when anything lives on the host
-    assert _devices(process_group_backend("cuda", cpu_offload=False)) == {"cuda": "nccl"}
-    assert process_group_backend("cpu", cpu_offload=False) == "gloo"
-    assert process_group_backend("cpu", cpu_offload=True) == "gloo"
-
-
-def test_cpu_trainer_with_offload_levers_forms_a_gloo_group():
+def test_a_cpu_trainer_forms_a_gloo_group():
     code = ("import torch.distributed as dist\n"
             "from train.distributed import init_distributed, shutdown\n"
-            "info = init_distributed(30.0, cpu_offload=True)\n"
+            "info = init_distributed(30.0)\n"
             "print(info.device.type, dist.get_backend(), dist.get_world_size())\n"
             "shutdown()\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(CUDA_VISIBLE_DEVICES=""),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from rollout.engine import EngineError, Sampling
 from rollout.engines import vllm_server
 from rollout.engines.vllm_engine import VLLMEngine
 from rollout.inference import VLLMConfig
+from tests.procs import ROOT, env
 
 STAND_IN = r'''
 import argparse, json, os, signal, subprocess, sys, threading, time
@@ -60,6 +62,11 @@ class H(BaseHTTPRequestHandler):
         self.reply(404, {"detail": "Not Found"})
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["content-length"] or 0)) or b"{}")
+        route = self.path.split("?")[0]
+        if os.environ.get("FAKE_DEV") and route in ("/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache"):
+            with open(os.environ["FAKE_DEV"], "a") as f:
+                f.write(json.dumps({"path": self.path, "body": req}) + "\n")
+            return self.reply(200, {"success": True} if route == "/reset_prefix_cache" else {})
         if self.path == "/v1/load_lora_adapter" and os.environ.get("FAKE_LORA"):
             with open(os.environ["FAKE_LORA"], "a") as f:
                 f.write(json.dumps({"load": req}) + "\n")
@@ -112,12 +119,13 @@ def checkpoint(tmp_path):
     return d
 
 
-def make(tmp_path, stand_in, mode="serve", temperature=1.0, **cfg) -> VLLMEngine:
+def make(tmp_path, stand_in, mode="serve", temperature=1.0, between_iterations="restart", **cfg) -> VLLMEngine:
     env = {"PYTHONPATH": str(stand_in), "FAKE_MODE": mode, "FAKE_PIDS": str(tmp_path / "pids")}
     env.update(cfg.pop("env", {}))
     cfg.setdefault("startup_timeout", 20.0)
     cfg.setdefault("stop_timeout", 5.0)
-    return VLLMEngine(VLLMConfig(env=env, **cfg), temperature=temperature, log_file=tmp_path / "server.log")
+    return VLLMEngine(VLLMConfig(env=env, **cfg), temperature=temperature, log_file=tmp_path / "server.log",
+                      between_iterations=between_iterations)
 
 
 def pids(tmp_path) -> list[int]:
@@ -287,6 +295,36 @@ def test_reload_without_dev_routes_is_refused(tmp_path, stand_in, checkpoint):
             engine.reload(checkpoint)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("configured", [1, 2])
+def test_a_sleep_before_new_weights_discards_the_old_ones_and_one_before_the_same_keeps_the_level(
+        tmp_path, stand_in, checkpoint, configured):
+    calls = tmp_path / "dev.jsonl"
+    # dev routes on (between_iterations=sleep); the stand-in records what reaches them
+    engine = make(tmp_path, stand_in, between_iterations="sleep", env={"FAKE_DEV": str(calls)}, sleep_level=configured)
+    nxt = tmp_path / "next"
+    nxt.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (nxt / name).write_bytes((checkpoint / name).read_bytes())
+    try:
+        engine.start(checkpoint)
+        engine.sleep(new_weights=True)
+        engine.wake(nxt)
+        engine.sleep()
+        engine.wake(nxt)
+    finally:
+        engine.stop()
+    paths = [json.loads(line)["path"] for line in calls.read_text().splitlines()]
+    new, same = paths[:paths.index("/reset_prefix_cache") + 1], paths[paths.index("/reset_prefix_cache") + 1:]
+    # level 2 whatever was configured: the old weights are not kept, the wake loads the new ones
+    assert new == ["/sleep?level=2", "/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache",
+                   "/reset_prefix_cache"]
+    if configured == 1:  # the same weights next: level 1 keeps them and a plain wake restores them
+        assert same == ["/sleep?level=1", "/wake_up", "/reset_prefix_cache"]
+    else:
+        assert same == ["/sleep?level=2", "/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache",
+                        "/reset_prefix_cache"]
 
 
 def test_sleep_without_dev_routes_stops_and_wake_starts_again(tmp_path, stand_in, checkpoint):
@@ -496,3 +534,19 @@ def test_the_worker_gives_vllm_all_its_tasks_in_one_window_with_exact_counts(tmp
     assert len(runs) == 12 and slowest["ended"] - slowest["begun"] >= 1.0
     assert all(r["ended"] <= slowest["ended"] for r in runs)  # the 11 others did not wait for it
     assert listed[-1] == tasks[0].id  # it finished last, so its group is in the last chunk
+
+
+def test_the_client_raises_its_open_file_limit_to_the_hard_limit():
+    # In a child: the limit is the process's. A soft limit of 256 would allow 128 connections.
+    code = ("import resource\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "from rollout.engines.vllm_client import VLLMClient\n"
+            "c = VLLMClient('http://127.0.0.1:1', api_key='', model_name='m', request_timeout=1, window=lambda n: 4096,"
+            " retries=0)\n"
+            "print(c.open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    client_sees, soft, hard = (int(x) for x in res.stdout.split())
+    expected = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    assert client_sees == soft == expected > 256

@@ -39,26 +39,19 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def process_group_backend(device_type: str, *, cpu_offload: bool) -> str:
-    """The backend string of the trainer's process group. On CUDA, collectives run on NCCL; when
-    the levers keep tensors in host memory (fsdp_cpu_offload: parameter and gradient shards;
-    optim_cpu_offload: optimizer state between steps), collectives over those CPU tensors (gradient
-    clipping's norm, state-dict gathers) need a CPU backend too, so the group gets gloo for the CPU
-    device beside NCCL, as torchtitan does. On CPU, gloo does everything."""
-    if device_type != "cuda":
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+def process_group_backend(device_type: str) -> str:
+    """The backend string of the trainer's process group. On CUDA, collectives on device tensors run
+    on NCCL, and the group always has gloo for CPU tensors beside it (as torchtitan does): the levers
+    that keep tensors in host memory (fsdp_cpu_offload, optim_cpu_offload) need it for gradient
+    clipping's norm and state-dict gathers, and a resident process forms its group once, from its
+    first plan, while a later plan of the same launch may turn such a lever on. On CPU, gloo does
+    everything."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
 
 
-def offloads_to_cpu(train_config) -> bool:
-    """Whether a `train` section (TrainConfig or its dict) keeps trainer tensors in host memory."""
-    get = train_config.get if isinstance(train_config, dict) else lambda k: getattr(train_config, k)
-    return bool(get("fsdp_cpu_offload") or get("optim_cpu_offload"))
-
-
-def init_distributed(timeout_s: float, *, cpu_offload: bool = False) -> DistInfo:
-    """Join (or form) the process group; NCCL with one GPU per process on CUDA (plus gloo for the
-    CPU when `cpu_offload`, see process_group_backend), gloo on CPU."""
+def init_distributed(timeout_s: float) -> DistInfo:
+    """Join (or form) the process group (process_group_backend): one GPU per process on CUDA,
+    gloo on CPU."""
     timeout = datetime.timedelta(seconds=timeout_s)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -68,7 +61,7 @@ def init_distributed(timeout_s: float, *, cpu_offload: bool = False) -> DistInfo
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        backend = process_group_backend(device.type, cpu_offload=cpu_offload)
+        backend = process_group_backend(device.type)
         if torchrun:
             kwargs = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(backend, timeout=timeout, **kwargs)

@@ -173,11 +173,11 @@ def sft_config(opts: dict):
 def _bench(opts: dict, cfg) -> int:
     from coordination.config import ConfigError
     from train.benchmark import bench_model, print_and_write, run_bench
-    from train.distributed import init_distributed, offloads_to_cpu, shutdown
+    from train.distributed import init_distributed, shutdown
 
     try:
         with bench_model(opts["model"], opts["bench_seq_len"]) as model_path:
-            info = init_distributed(cfg.collective_timeout, cpu_offload=offloads_to_cpu(cfg))
+            info = init_distributed(cfg.collective_timeout)
             try:
                 report = run_bench(cfg, {**opts, "model_path": model_path}, info, entry="sft", algorithm="sft")
             finally:
@@ -193,7 +193,7 @@ def _bench(opts: dict, cfg) -> int:
 def run_sft(opts: dict) -> int:
     from coordination import log
     from coordination.config import ConfigError
-    from train.distributed import init_distributed, offloads_to_cpu, shutdown
+    from train.distributed import init_distributed, shutdown
 
     log.setup(f"sft rank{os.environ.get('RANK', '0')}")
     try:
@@ -202,7 +202,7 @@ def run_sft(opts: dict) -> int:
         raise click.UsageError(str(exc)) from None
     if opts["bench"]:
         return _bench(opts, cfg)
-    info = init_distributed(cfg.collective_timeout, cpu_offload=offloads_to_cpu(cfg))
+    info = init_distributed(cfg.collective_timeout)
     try:
         summary = _train(opts, cfg, info)
     except ConfigError as exc:

@@ -280,11 +280,18 @@ class Share:
     index: dict | None
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """Collective for a DTensor (every rank must call it, in the same order)."""
+def _full(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Collective for a DTensor (every rank must call it, in the same order). With `dtype` a
+    floating-point DTensor's local shard is cast first, so the all-gather moves serving-dtype bytes
+    (half of float32's for bf16); the cast is elementwise, so the result is the same bits as
+    casting after the gather."""
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.full_tensor()
 
 
 def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: dict | None = None) -> Share:
@@ -302,8 +309,8 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
     file_of = {r: shard_name(i, len(writers)) for i, r in enumerate(writers)}
     mine: dict[str, torch.Tensor] = {}
     for (name, t), o in zip(named, owner):
-        full = _full(t)
         source = merge.get(name)
+        full = _full(t, None if source is not None else dtype)  # a merged weight is summed in float32 first
         if source is not None:
             a, b = _full(params[source.a]), _full(params[source.b])
             if o == rank:

@@ -250,7 +250,7 @@ def train(plan: dict[str, Any], layout, iteration: int, attempt: int, info) -> N
 def run(plan_path: Path, attempt: int) -> int:
     """The trainer's whole life on one rank; returns the process exit code."""
     from train.data import read_plan
-    from train.distributed import init_distributed, launched_world_size, offloads_to_cpu, shutdown
+    from train.distributed import init_distributed, launched_world_size, shutdown
 
     rank = int(os.environ.get("RANK", "0"))
     log.setup(f"train rank{rank}")
@@ -273,8 +273,7 @@ def run(plan_path: Path, attempt: int) -> int:
         return 0
     info = None
     try:
-        info = init_distributed(float(plan["config"]["collective_timeout"]),
-                                cpu_offload=offloads_to_cpu(plan["config"]))
+        info = init_distributed(float(plan["config"]["collective_timeout"]))
         train(plan, layout, iteration, attempt, info)
         return 0
     except Exception as exc:  # noqa: BLE001 -- every failure becomes a non-zero exit and a result record
@@ -428,15 +427,16 @@ def _load_resident(inputs: dict[str, Any], info, layout, run_id: str) -> Held:
 
 def _process_group(info, inputs: dict[str, Any], what: str):
     """`info`, or the process group a plan (or an early load's inputs) needs: its collective timeout
-    and CPU-offload need come from its `train` config. Refuses inputs made for another world size."""
-    from train.distributed import init_distributed, launched_world_size, offloads_to_cpu
+    comes from its `train` config; the backends serve every plan (process_group_backend). Refuses
+    inputs made for another world size."""
+    from train.distributed import init_distributed, launched_world_size
 
     if launched_world_size() != inputs["world_size"]:
         raise ValueError(f"{what} was made for {inputs['world_size']} trainer processes but "
                          f"{launched_world_size()} were launched")
     if info is not None:
         return info
-    return init_distributed(float(inputs["config"]["collective_timeout"]), cpu_offload=offloads_to_cpu(inputs["config"]))
+    return init_distributed(float(inputs["config"]["collective_timeout"]))
 
 
 def _explained(exc: Exception) -> bool:
@@ -451,14 +451,14 @@ def _explained(exc: Exception) -> bool:
 def run_bench(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, ...]) -> int:
     """`--bench`: the RL (GRPO) step on fake data; exit 2 on a configuration to fix."""
     from train.benchmark import bench_model, print_and_write, run_bench as bench, train_config_from
-    from train.distributed import init_distributed, offloads_to_cpu, shutdown
+    from train.distributed import init_distributed, shutdown
 
     log.setup(f"bench rank{os.environ.get('RANK', '0')}")
     info = None
     try:
         cfg = train_config_from({}, config_files, overrides)
         with bench_model(opts["model"], opts["bench_seq_len"]) as model_path:
-            info = init_distributed(cfg.collective_timeout, cpu_offload=offloads_to_cpu(cfg))
+            info = init_distributed(cfg.collective_timeout)
             report = bench(cfg, {**opts, "model_path": model_path}, info, entry="trainer",
                            algorithm="grpo" if cfg.algorithm == "grpo" else "rft")
     except ConfigError as exc:

@@ -23,6 +23,21 @@ _SEED_MOD = 2 ** 63
 MIN_TEMPERATURE = 0.01  # vLLM raises any smaller positive temperature to this (sampling_params._MAX_TEMP)
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit and return the new soft
+    limit: a rolling window of W requests wants W connections, and the usual soft limit of 1024
+    would cap a data-parallel server's window of thousands at 512."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # above the kernel's nr_open: keep what we have
+            pass
+    return soft
+
+
 class VLLMClient:
     """Talks to one server at `base_url`. `server_note` returns text to append to errors (the
     server log tail); `server_exit` returns the exit code of our server process, None while it runs."""
@@ -39,6 +54,7 @@ class VLLMClient:
         self.debug_server = debug_server
         self.server_note = server_note
         self.server_exit = server_exit
+        self.open_files = raise_open_file_limit()
 
     def http(self, timeout: float) -> httpx.Client:
         # trust_env=False: a cluster's http_proxy must not capture requests to a server on this node.
@@ -109,7 +125,11 @@ class VLLMClient:
         window = self.window(n)
         limit = asyncio.Semaphore(window)
         # One connection per request in flight, within half of this process's file descriptors.
-        connections = max(1, min(window, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2))
+        connections = max(1, min(window, self.open_files // 2))
+        if connections < window:
+            _log.warning("%d requests in flight share %d connections: this process may open %d files (its hard "
+                         "limit); raise `ulimit -Hn` for one connection per request", window, connections,
+                         self.open_files)
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         timeout = httpx.Timeout(self.request_timeout, connect=30.0)
         async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout,

@@ -69,7 +69,7 @@ class VLLMEngine(Engine):
         self.client: VLLMClient | None = None
         self._starts = 0
         self._cache_root: Path | None = None
-        self._asleep = False
+        self._asleep = 0  # the sleep level the server is in (0: awake)
         self._base_name = cfg.served_model_name
         atexit.register(_stop_at_exit, weakref.ref(self))
 
@@ -196,7 +196,7 @@ class VLLMEngine(Engine):
         self.client = None
         self.model_dir = None
         self.adapter_dir = None
-        self._asleep = False
+        self._asleep = 0
 
     def reload(self, model_dir: Path) -> None:
         client = self._require_running()
@@ -226,15 +226,20 @@ class VLLMEngine(Engine):
         self._serve_base(client)
         _log.info("vLLM now serves %s (weights reloaded in %.2f s)", model_dir, time.monotonic() - t0)
 
-    def sleep(self) -> None:
+    def sleep(self, *, new_weights: bool = False) -> None:
+        """vLLM's sleep: level 1 keeps the weights in host memory to restore them on wake, level 2
+        discards them. With `new_weights` (a wake with the next checkpoint follows) level 2 is used
+        whatever inference.vllm.sleep_level says: level 1 would copy the old weights out and back
+        only for the reload to replace them."""
         if self.debug_mode:
             _log.info("debug mode: leaving your vLLM server awake")
             return
         if self.spec is None or not self.spec.dev_routes:
-            super().sleep()  # no dev routes: stop now, and wake() starts again
+            super().sleep(new_weights=new_weights)  # no dev routes: stop now, and wake() starts again
             return
-        self._require_running().dev("/sleep", params={"level": self.spec.sleep_level})
-        self._asleep = True
+        level = 2 if new_weights else self.spec.sleep_level
+        self._require_running().dev("/sleep", params={"level": level})
+        self._asleep = level
 
     def wake(self, model_dir: Path) -> None:
         model_dir = Path(model_dir).resolve()
@@ -250,8 +255,7 @@ class VLLMEngine(Engine):
         client = self._require_running()
         check_checkpoint(model_dir)
         self._check_reloadable(model_dir)
-        level = self.spec.sleep_level if self.spec is not None else 2
-        if level == 2 or model_dir != self.model_dir:
+        if self._asleep == 2 or model_dir != self.model_dir:
             # vLLM's order for level 2: weights memory back, load the weights, then the KV cache.
             client.dev("/wake_up", params={"tags": "weights"})
             self._reload_weights(client, model_dir)
@@ -259,7 +263,7 @@ class VLLMEngine(Engine):
         else:
             client.dev("/wake_up")
         self._reset_prefix_cache(client)
-        self._asleep = False
+        self._asleep = 0
         self.model_dir = model_dir
         self._serve_base(client)
 
