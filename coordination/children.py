@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from coordination import log as blog
 from coordination.diagnose import relevant_lines
+from coordination.exhaustion import naming
 from coordination.node import Node
 from coordination.procgroup import die_with_parent, stop_group
 from coordination.records import ensure_dir, open_own
@@ -40,7 +42,7 @@ def run_watched(cmd: list[str], *, env: dict, log_file: Path, node: Node, peers:
     node.check_fence()  # a superseded node neither starts a child nor touches its log
     ensure_dir(log_file.parent)
     peers = [r for r in peers if r != node.rank]
-    with open_own(log_file, "ab") as out:
+    with naming(log_file), open_own(log_file, "ab") as out:  # naming: the close flushes too
         out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(cmd)}\n".encode())
         out.flush()
         start = out.tell()  # this attempt's output begins here
@@ -76,6 +78,7 @@ def check_node_and_peers(node: Node, peers: Iterable[int], what: str) -> None:
     a peer (any rank but this one) is lost or gone, so the child is stopped instead of waiting in a
     collective until its timeout."""
     node.check_fence()
+    blog.check()  # this node's log file was lost to a full disk: stop the child, stop the node
     for r in peers:
         if r == node.rank:
             continue

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from coordination import fsops
+from coordination.exhaustion import name_file
 from coordination.layout import LinkInRunFolder, check_no_links, forget_verified, in_run_folder
 
 FORMAT = "baton/1"
@@ -279,9 +280,10 @@ def atomic_output(target: Path) -> Iterator[Path]:
         os.chmod(tmp, FILE_MODE)
         fence_check()
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        name_file(exc, target)  # os.write and pyarrow name no file
         raise
 
 
@@ -309,9 +311,10 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
             os.close(fd)  # raises on a failed close (NFS reports write errors here)
         fence_check()
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        name_file(exc, target)  # os.write and pyarrow name no file
         raise
 
 

@@ -29,6 +29,7 @@ from coordination import timeline
 from coordination.children import ChildFailed, check_node_and_peers, exited
 from coordination.claims import process_start
 from coordination.clock import Backoff
+from coordination.exhaustion import naming
 from coordination.layout import JobLayout
 from coordination.procgroup import die_with_parent, stop_group
 from coordination.records import RecordError, ensure_dir, fence_noticed, open_own, publish_record, try_read
@@ -70,7 +71,7 @@ class ResidentTrainer:
         self.stop()
         self.node.check_fence()  # a superseded node starts nothing
         ensure_dir(self.log_file.parent)
-        with open_own(self.log_file, "ab") as out:
+        with naming(self.log_file), open_own(self.log_file, "ab") as out:  # naming: the close flushes too
             out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} resident trainer {launch_id}: "
                       f"{' '.join(cmd)}\n".encode())
             out.flush()
@@ -133,7 +134,10 @@ class ResidentTrainer:
         if self.proc is not None:
             stop_group(self.proc)
             log.info("stopped the resident trainer %s", self.launch_id)
-            self._mark_stopped()
+            try:
+                self._mark_stopped()
+            except OSError as exc:  # observers' records: a full disk must not hide why the node stops
+                log.warning("could not mark the resident trainer %s stopped for `status`: %s", self.launch_id, exc)
         self.proc, self.launch_id, self.seq = None, None, 0
 
     def _mark_stopped(self) -> None:
