@@ -239,7 +239,11 @@ class PhaseRunner:
                     # node stops with one line (exit 8), its traceback in its log, and resumes here
                     # once restarted; its peers wait for it meanwhile, as for any node that exited.
                     raise short from exc
-                log.error("phase %d %s failed:\n%s", spec.number, spec.name, traceback.format_exc())
+                # The console gets the error once, here and in the GO's summary (which names this
+                # log); the traceback goes to the log alone.
+                log.error("phase %d %s failed: %s: %s", spec.number, spec.name, type(exc).__name__, exc)
+                log.error("phase %d %s failed:\n%s", spec.number, spec.name, traceback.format_exc(),
+                          extra=blog.FILE_ONLY)
                 ok, error = False, f"{type(exc).__name__}: {exc}"[:2000]
                 self._error = f"phase {spec.number} {spec.name}: {error}"
             self._event(step.iteration, spec, step.attempt, "end", ok=ok)

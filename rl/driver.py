@@ -366,6 +366,19 @@ class RLJob:
                 return f"attempt {step.attempt} already failed on rank {r}: {a.error}"
         return None
 
+    def _attempt_failed_before(self, step: Step) -> str | None:
+        """An error a trainer rank recorded for this attempt before this process ran it. A node that
+        stopped on a full disk (exit 8) did not arrive, so its restart runs the same attempt again,
+        where that old result would fail every new trainer at once, however much space was freed.
+        That attempt has failed: reported, the master's decision moves on to the next one."""
+        errors = read_results(self.layout, step.iteration, step.attempt, self.train_world_size,
+                              run_id=self.node.run_id)["errors"]
+        if not errors:
+            return None
+        rank, error = sorted(errors.items())[0]
+        return (f"attempt {step.attempt} failed before this process started (trainer rank {rank}: "
+                f"{error.splitlines()[0] if error else 'failed'}); the next attempt trains afresh")
+
     def torchrun(self, step: Step, rdzv: Rendezvous) -> tuple[list[str], dict[str, str]]:
         """This node's phase-10 torchrun command and environment for the rendezvous `rdzv`."""
         is_host = self.node.is_master
@@ -402,6 +415,9 @@ class RLJob:
         failed = self._attempt_failed_elsewhere(step)
         if failed:
             raise ChildFailed(failed)
+        before = self._attempt_failed_before(step)
+        if before:
+            raise RuntimeError(before)  # not ChildFailed: the text of that old failure is no cause to stop now
         rdzv = Rendezvous.for_attempt(step)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
