@@ -49,6 +49,12 @@ from train.results import read_results
 log = logging.getLogger("baton.driver")
 
 
+class AttemptFailed(RuntimeError):
+    """This node's training attempt failed on another rank, or before this process ran it. Not a
+    ChildFailed: the words it quotes (a full disk, say) are another process's report, no cause for
+    this node to stop (coordination/exhaustion.py reads only a child's own words)."""
+
+
 def own_address(master_addr: str) -> str:
     """This node's address on the route to the master (a UDP connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -396,7 +402,7 @@ class RLJob:
             progress.update()
             failed = self._attempt_failed_elsewhere(step)
             if failed:
-                raise ChildFailed(f"stopped training: {failed}")
+                raise AttemptFailed(f"stopped training: {failed}")
         return tick
 
     def already_trained(self, iteration: int) -> bool:
@@ -414,10 +420,10 @@ class RLJob:
             return {"skipped": "checkpoint already published"}
         failed = self._attempt_failed_elsewhere(step)
         if failed:
-            raise ChildFailed(failed)
+            raise AttemptFailed(failed)
         before = self._attempt_failed_before(step)
         if before:
-            raise RuntimeError(before)  # not ChildFailed: the text of that old failure is no cause to stop now
+            raise AttemptFailed(before)
         rdzv = Rendezvous.for_attempt(step)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)

@@ -75,6 +75,15 @@ def test_other_errors_keep_their_codes():
     assert exits.classify(ChildFailed("exited with code 1: Killed")) == exits.ERROR
 
 
+def test_an_attempt_that_failed_elsewhere_or_before_is_reported_even_when_its_words_say_disk_full():
+    """A restarted node must not stop again on another rank's (or its predecessor's) old report of
+    a full disk: it reports the attempt failed, and the master retries."""
+    from rl.driver import AttemptFailed
+
+    words = "attempt 1 already failed on rank 0: SafetensorError: No space left on device (os error 28)"
+    assert exits.classify(AttemptFailed(words)) == exits.ERROR
+
+
 def test_a_log_file_on_a_full_device_is_dropped_without_logging_error_blocks_and_ends_the_node(capfd):
     logger = blog.setup("test rank0", Path("/dev/full"))  # every write to it fails with ENOSPC
     try:
