@@ -96,7 +96,7 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
         logger.info("finished: %s", outcome.stopped)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a distinct exit code and one message
         code = exits.classify(exc)
-        logger.error("%s", exc)
+        logger.error("%s", exits.message(exc, str(log_path)))
     finally:
         if node is not None:
             fenced = node.claim is not None and node.claim.is_fenced()

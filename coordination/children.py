@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Iterable
 
+from coordination import log as blog
 from coordination.diagnose import relevant_lines
 from coordination.node import Node
 from coordination.procgroup import ChildFailed, start_child
@@ -66,6 +67,7 @@ def check_node_and_peers(node: Node, peers: Iterable[int], what: str) -> None:
     collective until its timeout."""
     tick()  # one more round of a child's watch: the main thread is moving
     node.check_fence()
+    blog.check()  # this node's log file was lost to a full disk: stop the child, stop the node
     for r in peers:
         if r == node.rank:
             continue

@@ -51,6 +51,7 @@ class HeartbeatWriter:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.counter = 0
+        self._failing: str | None = None  # the write error last warned about, until a write works
         self.state: dict[str, Any] = {
             "nonce": secrets.token_hex(8), "host": socket.gethostname(), "pid": os.getpid(), "job": job,
             "rank": rank, "iteration": None, "phase": None, "phase_name": None, "message": "starting",
@@ -74,8 +75,9 @@ class HeartbeatWriter:
             else:
                 self.beat()
 
-    def beat(self) -> bool:
-        """Write one heartbeat now. False when fenced (nothing written)."""
+    def beat(self, *, last: bool = False) -> bool:
+        """Write one heartbeat now. False when fenced (nothing written). A `last` one (the goodbye)
+        that fails says so only at debug level: the node's own last line already says why it ends."""
         # One writer at a time: a beat of the thread racing one of a phase change could otherwise
         # rename an older state over the newer one.
         with self._write_lock:
@@ -98,7 +100,17 @@ class HeartbeatWriter:
                 return False
             except OSError as exc:
                 # A shared filesystem hiccup must not kill the rank; peers tolerate a few missed beats.
-                log.warning("could not write heartbeat %s: %s (retrying in %.0f s)", self.path, exc, self.interval)
+                # Said once per error, not once per beat: a full disk would flood the console.
+                if not last and str(exc) != self._failing:
+                    log.warning("could not write heartbeat %s: %s (retrying every %.1f s; said again when the "
+                                "error changes)", self.path, exc, self.interval)
+                else:
+                    log.debug("could not write heartbeat %s: %s", self.path, exc)
+                self._failing = str(exc)
+            else:
+                if self._failing is not None:
+                    log.info("heartbeat %s written again", self.path)
+                self._failing = None
             self._published_where = (data["iteration"], data["phase"])
             return True
 
@@ -136,8 +148,9 @@ class HeartbeatWriter:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(self.interval, 1.0) + 5)
         if final_state is not None and not self.stopped_by_fence:
-            self.update(state=final_state, message=message or final_state, waiting_for=[])
-            self.beat()
+            with self._lock:
+                self.state.update(state=final_state, message=message or final_state, waiting_for=[])
+            self.beat(last=True)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, TypeVar
 
-from coordination import fsops
+from coordination import fsops, log as blog
 from coordination.claims import KIND as CLAIM_KIND, RankClaim
 from coordination.clock import Backoff, Clock
 from coordination.config import CoordinationConfig
@@ -213,6 +213,7 @@ class Node:
             now = self.clock.monotonic()
             if now >= next_liveness:
                 self.check_fence()
+                blog.check()  # a node whose log file was lost to a full disk stops waiting
                 self._check_peers(list(peers()), what)
                 if watch is not None:
                     watch()

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from coordination.exhaustion import naming
 from coordination.records import ensure_dir, fence_noticed, open_own
 
 log = logging.getLogger("baton.children")
@@ -87,8 +88,9 @@ def start_child(argv: Sequence[str], *, env: dict[str, str], log_file: Path, wha
     ensure_dir(Path(log_file).parent)
     out = open_own(log_file, "ab")  # before anything starts: a fenced node or a planted link refuses here
     try:
-        out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(argv)}\n".encode())
-        out.flush()
+        with naming(log_file):  # a full disk here is named by its file (coordination/exhaustion.py)
+            out.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {what}: {' '.join(argv)}\n".encode())
+            out.flush()
         log_start = out.tell()
         proc, output = _spawn(argv, env, what, start_timeout)
     except BaseException:

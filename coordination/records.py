@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from coordination import fsops
+from coordination.exhaustion import name_file
 from coordination.layout import LinkInRunFolder, check_no_links, forget_verified, hard_link_refused, in_run_folder
 
 FORMAT = "baton/1"
@@ -309,9 +310,10 @@ def atomic_output(target: Path) -> Iterator[Path]:
         os.replace(tmp, target)
     except Fenced:
         raise  # the temp file stays for `recover`: a superseded process removes nothing either
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        name_file(exc, target)  # os.write and pyarrow name no file
         raise
 
 
@@ -341,9 +343,10 @@ def publish_bytes(target: Path, data: bytes, *, durable: bool = True) -> None:
         os.replace(tmp, target)
     except Fenced:
         raise  # the temp file stays for `recover`: a superseded process removes nothing either
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        name_file(exc, target)  # os.write and pyarrow name no file
         raise
 
 

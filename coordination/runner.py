@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from coordination import diagnose, timeline
+from coordination import diagnose, exhaustion, log as blog, timeline
 from coordination.barrier import Arrival, Barrier, Decision, Go
 from coordination.claims import Fenced
 from coordination.layout import check_no_links, iteration_number
@@ -181,6 +181,7 @@ class PhaseRunner:
         # rank passes, acting or waiting: a rank lost now is reported at this phase, not an older one.
         node.say(f"phase {spec.number} {spec.name}", iteration=it, phase=spec.number, phase_name=spec.name)
         while True:
+            blog.check()  # a node whose log file was lost to a full disk stops here
             step = Step(node, it, spec, attempt, gos, retry)
             barrier = Barrier(node, it, spec.number, spec.name, attempt)
             go = barrier.read_go() if spec.barrier else None
@@ -232,7 +233,17 @@ class PhaseRunner:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to the master, which decides
                 node.check_fence()  # a fenced process's failure is not news for anyone
-                log.error("phase %d %s failed:\n%s", spec.number, spec.name, traceback.format_exc())
+                short = exhaustion.of(exc, node.layout.root)
+                if short is not None:
+                    # Not a failure the master could retry (the next write fails the same way): this
+                    # node stops with one line (exit 8), its traceback in its log, and resumes here
+                    # once restarted; its peers wait for it meanwhile, as for any node that exited.
+                    raise short from exc
+                # The console gets the error once, here and in the GO's summary (which names this
+                # log); the traceback goes to the log alone.
+                log.error("phase %d %s failed: %s: %s", spec.number, spec.name, type(exc).__name__, exc)
+                log.error("phase %d %s failed:\n%s", spec.number, spec.name, traceback.format_exc(),
+                          extra=blog.FILE_ONLY)
                 ok, error = False, f"{type(exc).__name__}: {exc}"[:2000]
                 self._error = f"phase {spec.number} {spec.name}: {error}"
             self._event(step.iteration, spec, step.attempt, "end", ok=ok)

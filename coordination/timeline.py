@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from coordination.exhaustion import naming
 from coordination.records import ensure_dir, fence_check, open_own, own_opener
 
 log = logging.getLogger("baton.timeline")
@@ -21,7 +22,8 @@ def append(path: Path, event: dict[str, Any]) -> None:
     line = (json.dumps(event, sort_keys=True) + "\n").encode()
     fd = own_opener(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # never through a planted link
     try:
-        os.write(fd, line)  # one write of a short line: never interleaved with a half line
+        with naming(path):  # os.write names no file; a full disk's stop line must
+            os.write(fd, line)  # one write of a short line: never interleaved with a half line
     finally:
         os.close(fd)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from coordination import exits, log as blog, metrics, sinks
+from coordination import exhaustion, exits, log as blog, metrics, sinks
 from coordination.barrier import Arrival, Barrier
 from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest, serving_weights
 from coordination.children import ChildFailed, run_watched
@@ -47,6 +47,12 @@ from train.resident import ResidentTrainer
 from train.results import read_results
 
 log = logging.getLogger("baton.driver")
+
+
+class AttemptFailed(RuntimeError):
+    """This node's training attempt failed on another rank, or before this process ran it. Not a
+    ChildFailed: the words it quotes (a full disk, say) are another process's report, no cause for
+    this node to stop (coordination/exhaustion.py reads only a child's own words)."""
 
 
 def own_address(master_addr: str) -> str:
@@ -254,6 +260,8 @@ class RLJob:
         try:
             self.trainer.launch(cmd, env, rdzv.rdzv_id)
         except OSError as exc:
+            if exits.classify(exc) == exits.RESOURCE:
+                raise  # phase 10 would fail the same way: this node stops now (exit 8)
             log.warning("could not launch the resident trainer early (%s); phase 10 launches it", exc)
             return
         if self.trainer_may_load_early():
@@ -284,6 +292,8 @@ class RLJob:
         try:
             stats = self.aggregate(step, "eval", PhaseId.AGGREGATE_EVAL, arrivals)
         except Exception as exc:  # noqa: BLE001 - a failed aggregation is the master's phase failing
+            if exits.classify(exc) == exits.RESOURCE:
+                raise  # not for the GO to abort: this node stops (exit 8) and resumes here once restarted
             log.exception("eval aggregation failed")
             return Verdict("abort", f"iteration {step.iteration} failed at phase 6 aggregate-eval: {exc}")
         acc = (stats.get("eval") or {}).get("accuracy")
@@ -365,6 +375,19 @@ class RLJob:
                 return f"attempt {step.attempt} already failed on rank {r}: {a.error}"
         return None
 
+    def _attempt_failed_before(self, step: Step) -> str | None:
+        """An error a trainer rank recorded for this attempt before this process ran it. A node that
+        stopped on a full disk (exit 8) did not arrive, so its restart runs the same attempt again,
+        where that old result would fail every new trainer at once, however much space was freed.
+        That attempt has failed: reported, the master's decision moves on to the next one."""
+        errors = read_results(self.layout, step.iteration, step.attempt, self.train_world_size,
+                              run_id=self.node.run_id)["errors"]
+        if not errors:
+            return None
+        rank, error = sorted(errors.items())[0]
+        return (f"attempt {step.attempt} failed before this process started (trainer rank {rank}: "
+                f"{error.splitlines()[0] if error else 'failed'}); the next attempt trains afresh")
+
     def torchrun(self, step: Step, rdzv: Rendezvous) -> tuple[list[str], dict[str, str]]:
         """This node's phase-10 torchrun command and environment for the rendezvous `rdzv`."""
         is_host = self.node.is_master
@@ -382,7 +405,7 @@ class RLJob:
             progress.update()
             failed = self._attempt_failed_elsewhere(step)
             if failed:
-                raise ChildFailed(f"stopped training: {failed}")
+                raise AttemptFailed(f"stopped training: {failed}")
         return tick
 
     def already_trained(self, iteration: int) -> bool:
@@ -400,7 +423,10 @@ class RLJob:
             return {"skipped": "checkpoint already published"}
         failed = self._attempt_failed_elsewhere(step)
         if failed:
-            raise ChildFailed(failed)
+            raise AttemptFailed(failed)
+        before = self._attempt_failed_before(step)
+        if before:
+            raise AttemptFailed(before)
         rdzv = Rendezvous.for_attempt(step)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
@@ -444,9 +470,13 @@ class RLJob:
             self.trainer.wait(lambda: read_results(self.layout, step.iteration, step.attempt, world,
                                                    run_id=self.node.run_id),
                               peers=range(self.args.num_nodes), what=what, on_tick=tick)
-        except BaseException:
+        except BaseException as exc:
             # A failed attempt ends this launch on every node: the retry rendezvous anew.
             self.trainer.stop()
+            # A trainer's full disk rarely names a file (safetensors: "os error 28"): name where it writes.
+            short = exhaustion.of(exc, self.layout.checkpoint_staging(step.iteration, step.attempt))
+            if short is not None:
+                raise short from exc
             raise
         finally:
             progress.close()
@@ -666,8 +696,13 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
         logger.error("interrupted; stopping this node (restart it with the same command to resume)")
     except Exception as exc:  # noqa: BLE001 - every ending gets a distinct code and one clear message
         code = exits.classify(exc)
-        final_message = f"stopped: {exc}"
-        logger.error("%s", exc, exc_info=code == exits.ERROR)
+        final_message = f"stopped: {exits.message(exc, str(layout.root))}"
+        if code == exits.RESOURCE:
+            # The traceback only in the log (if it can still be written); the console's one line
+            # comes last, after what stopping the children and the engine says.
+            logger.error("%s; the traceback:", final_message, exc_info=True, extra=blog.FILE_ONLY)
+        else:
+            logger.error("%s", exc, exc_info=code == exits.ERROR)
     finally:
         if job is not None:
             try:
@@ -686,4 +721,6 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
             fenced = node.claim is not None and node.claim.is_fenced(probe=False)
             if not fenced:
                 node.close("exited" if code == exits.OK else "failed", final_message[:300])
+        if code == exits.RESOURCE:
+            logger.error("%s", final_message)
     return code

@@ -148,7 +148,10 @@ class ResidentTrainer:
         if self.proc is not None:
             self.proc.stop()
             log.info("stopped the resident trainer %s", self.launch_id)
-            self._mark_stopped()
+            try:
+                self._mark_stopped()
+            except OSError as exc:  # observers' records: a full disk must not hide why the node stops
+                log.warning("could not mark the resident trainer %s stopped for `status`: %s", self.launch_id, exc)
         self.proc, self.launch_id, self.seq = None, None, 0
 
     def _mark_stopped(self) -> None:
