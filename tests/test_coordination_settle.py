@@ -54,6 +54,21 @@ def _record(kind: str, data: dict) -> bytes:
     return encode_record(kind, data, run_id=RUN_ID, generation=0)
 
 
+
+def _config_shown_after_the_cache(lay):
+    """A FakeClock class under which the run's config.yaml is missing until CACHE seconds passed
+    (a mount whose entry cache hides it)."""
+    content = lay.config_yaml.read_bytes()
+    lay.config_yaml.unlink()
+
+    class LateConfig(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            if self.monotonic() >= 1000 + CACHE and not lay.config_yaml.exists():
+                lay.config_yaml.write_bytes(content)
+
+    return LateConfig
+
 def test_a_master_waits_for_a_run_json_its_mount_shows_empty_longer_than_ten_seconds(run_dir):
     lay = _run(run_dir, run_json=b"")
     clock = StaleMount(lay.run_json, _record("run", {"config_hash": _hash_of(CFG), "created_by": "h:1"}))
@@ -141,14 +156,7 @@ def test_a_master_with_another_config_is_told_the_configs_differ_when_config_yam
     damaged and told the user to throw it away."""
     other = dict(CFG, train={"lr": 0.002, "steps": 4})
     lay = _run(run_dir)
-    content = lay.config_yaml.read_bytes()
-    lay.config_yaml.unlink()
-
-    class LateConfig(FakeClock):
-        def sleep(self, seconds: float) -> None:
-            super().sleep(seconds)
-            if self.monotonic() >= 1000 + CACHE and not lay.config_yaml.exists():
-                lay.config_yaml.write_bytes(content)
+    LateConfig = _config_shown_after_the_cache(lay)
 
     with pytest.raises(JoinRefused, match=r"(?s)config differs.*train.lr: 0.001 -> 0.002") as err:
         open_run_as_master(lay, other, resume=False, settle=60, clock=LateConfig())
@@ -207,14 +215,7 @@ def test_a_folder_with_a_foreign_run_json_is_still_refused_as_no_baton_run(run_d
 
 def test_a_worker_that_finds_run_json_but_no_config_yaml_says_so_at_once_and_joins_when_it_shows(run_dir, caplog):
     lay = _run(run_dir)
-    content = lay.config_yaml.read_bytes()
-    lay.config_yaml.unlink()
-
-    class LateConfig(FakeClock):
-        def sleep(self, seconds: float) -> None:
-            super().sleep(seconds)
-            if self.monotonic() >= 1000 + CACHE and not lay.config_yaml.exists():
-                lay.config_yaml.write_bytes(content)
+    LateConfig = _config_shown_after_the_cache(lay)
 
     with caplog.at_level(logging.INFO, logger="baton.manifest"):
         info = join_run_as_worker(lay, CFG, join_timeout=600, clock=LateConfig(), settle=60)
