@@ -160,20 +160,6 @@ def read_latest(layout: RunLayout, *, run_id: str | None = None) -> tuple[int, P
     return iteration, layout.checkpoint(iteration)
 
 
-def policy_for(layout: RunLayout, base_model: Path, *, run_id: str | None = None) -> tuple[int, Path]:
-    """The policy to sample from or train from: LATEST, or (0, base_model) before any update."""
-    latest = read_latest(layout, run_id=run_id)
-    if latest is None:
-        return 0, Path(base_model)
-    iteration, folder = latest
-    if not is_complete(folder, run_id=run_id):
-        raise CheckpointError(
-            f"LATEST names iteration {iteration} but {folder} is missing or incomplete; it was removed or "
-            f"damaged by hand. Restore it, or point LATEST at an older complete checkpoint with "
-            f"`scripts/recover.sh`")
-    return iteration, folder
-
-
 def _move_latest(layout: RunLayout, iteration: int, run_id: str) -> None:
     current = read_latest(layout, run_id=run_id)
     if current is not None and current[0] >= iteration:

@@ -130,12 +130,6 @@ def newest_generation(job: JobLayout, rank: int, at_least: int = 0) -> int:
     return gen
 
 
-def latest_holder(job: JobLayout, rank: int) -> Holder | None:
-    """The holder named by the newest claim file of `rank` (a directory listing; call rarely)."""
-    gen = newest_generation(job, rank)
-    return read_holder(job, rank, gen) if gen else None
-
-
 def superseded(job: JobLayout, rank: int, generation: int) -> bool:
     """True when a newer claim than `generation` exists (one stat of a known name)."""
     return fsops.exists(job.claim(rank, generation + 1))

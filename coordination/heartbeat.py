@@ -238,7 +238,3 @@ class LivenessTracker:
         with self._lock:
             prev = self._seen.get(rank)
         return prev[3] if prev else None
-
-    def forget(self, rank: int) -> None:
-        with self._lock:
-            self._seen.pop(rank, None)

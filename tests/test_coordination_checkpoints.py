@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from coordination.layout import RunLayout
-from coordination.checkpoints import (CheckpointError, apply_retention, is_complete, mark_complete, policy_for,
+from coordination.checkpoints import (CheckpointError, apply_retention, is_complete, mark_complete,
                               publish_checkpoint, read_latest)
 from tests.ckpt_support import stamped_file
 
@@ -29,7 +29,6 @@ def test_publication_renames_the_complete_folder_then_moves_latest(tmp_path):
     assert final == layout.checkpoint(1) and not staging.exists()
     assert is_complete(final)
     assert read_latest(layout) == (1, layout.checkpoint(1))
-    assert policy_for(layout, Path("/base")) == (1, layout.checkpoint(1))
 
 
 def test_publication_is_idempotent_and_cleans_a_duplicate_staging_folder(tmp_path):
@@ -69,8 +68,6 @@ def test_a_file_changed_after_marking_makes_the_folder_incomplete(tmp_path):
     assert not is_complete(staging)
 
 
-def test_policy_is_the_base_model_before_the_first_publication(tmp_path):
-    assert policy_for(RunLayout(tmp_path), Path("/base")) == (0, Path("/base"))
 
 
 def test_retention_keeps_last_k_protected_and_latest_and_removes_dead_staging(tmp_path):

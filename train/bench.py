@@ -16,7 +16,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import click
+
+from coordination.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,12 +45,6 @@ def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, compl
     store.write_rows(layout.rollout_all("train", 1), rows, run_id="bench")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> dict:
     from coordination.layout import RunLayout
     from coordination.records import read_record
@@ -62,7 +57,7 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
     cfg = TrainConfig(backend=backend, steps_per_iteration=2, micro_batch_tokens=opts["micro_batch_tokens"])
     plan = prepare_training_data(layout, 1, cfg, run_id="bench", world_size=procs, temperature=1.0,
                                  input_checkpoint=model, input_iteration=0)
-    port = _free_port()
+    port = free_port("127.0.0.1")
     cmd = torchrun_command(python=sys.executable, nnodes=1, node_rank=0, nproc_per_node=procs,
                            rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"bench-{port}", is_host=True, local_addr=None,
                            module="train.trainer", args=["--plan", str(plan)])

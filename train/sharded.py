@@ -174,10 +174,6 @@ def _pread_reader(owner: Stamp | None):
     return PreadReader
 
 
-def is_on_meta(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
-
-
 def file_key(name: str) -> str:
     """The weight-file key of a parameter name of the policy's `lm` (peft's `.base_layer` removed)."""
     return name.replace(".base_layer.", ".")
