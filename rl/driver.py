@@ -115,10 +115,10 @@ class RLJob:
         self._early_launches: set[str] = set()  # the early rendezvous ids this process acted on
         self._tokenizer = None
         self._reward = None
-        self.log_dir = node.job.logs_dir(node.rank)
+        self.trainer_log = node.job.log_file(node.rank, "trainer")
         self._release_due: int | None = None  # the iteration whose phase 12 must find the trainer released
         self.engines = EngineLifecycle(cfg.inference, rank=node.rank, temperature=cfg.rollout.temperature,
-                                       log_file=self.log_dir / "inference.log", debug_mode=args.debug_mode,
+                                       log_file=node.job.log_file(node.rank, "inference"), debug_mode=args.debug_mode,
                                        say=node.say, start_timeout=cfg.coordination.child_start_timeout)
         self.is_eval, self.is_final_eval = self.plan.is_eval, self.plan.is_final_eval
         self.shares = self.plan.shares
@@ -255,7 +255,7 @@ class RLJob:
         if mine.get("generation") != self.node.generation:
             return
         if self.trainer is None:
-            self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
+            self.trainer = ResidentTrainer(self.node, self.trainer_log)
         cmd, env = self.torchrun(step, rdzv)
         try:
             self.trainer.launch(cmd, env, rdzv.rdzv_id)
@@ -433,7 +433,7 @@ class RLJob:
         self.before_torchrun()
         cmd, env = self.torchrun(step, rdzv)
 
-        log_file = self.log_dir / "trainer.log"
+        log_file = self.trainer_log
         progress = StepProgress(log_file, f"train iter {step.iteration}", self.node)
         watch_attempt = self._attempt_watch(step, progress)
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
@@ -449,7 +449,7 @@ class RLJob:
         rendezvous (or this node's trainer is not the one the GO names), give it the iteration's
         plan, and wait for every trainer rank's result record."""
         if self.trainer is None:
-            self.trainer = ResidentTrainer(self.node, self.log_dir / "trainer.log")
+            self.trainer = ResidentTrainer(self.node, self.trainer_log)
         if rdzv.reuse is not None:
             if self.trainer.alive() != rdzv.reuse:
                 raise ChildFailed(f"the resident trainer {rdzv.reuse} of this node is no longer running "

@@ -46,19 +46,10 @@ class RecordingEngine(Engine):
         raise AssertionError("not used here")
 
 
-class FakeJob:
-    def __init__(self, root):
-        self.name = "both"
-        self.root = root
-
-    def logs_dir(self, rank):
-        return self.root / "logs"
-
-
 class FakeNode:
     def __init__(self, root: Path):
         self.layout = RunLayout(root)
-        self.job = FakeJob(root)
+        self.job = self.layout.job("both")
         self.rank = 0
         self.is_master = True
 

@@ -19,19 +19,10 @@ from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
 
 
-class FakeJob:
-    name = "both"
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def logs_dir(self, rank):
-        return self.root / "logs" / str(rank)
-
-
 class FakeNode:
     def __init__(self, root: Path, rank: int = 0, generation: int = 1):
-        self.layout, self.job = RunLayout(root), FakeJob(root)
+        self.layout = RunLayout(root)
+        self.job = self.layout.job("both")
         self.rank, self.is_master, self.generation, self.run_id = rank, rank == 0, generation, "run1"
 
     def say(self, *a, **k):
