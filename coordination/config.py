@@ -190,13 +190,29 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with numbers as users write them. PyYAML follows YAML 1.1, where a float needs a dot:
+    `1e-6` and `3E-4` load as strings, and `train.lr=1e-6` was refused as "not a number". This
+    loader also reads a mantissa with an exponent and no dot as a float (YAML 1.2's rule); every
+    other scalar resolves as before (`1_000` was already the integer 1000)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def parse_yaml(text: str) -> Any:
+    """`text` as YAML, with the numbers of `_Loader`."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.lr=2e-4` -> ("train.lr", 0.0002). The value is parsed as YAML."""
     if "=" not in text or text.startswith("="):
         raise ConfigError(f"override {text!r} is not key=value (example: train.lr=2e-4)")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         shown = f"{key.strip()}=..." if is_secret_key(key.strip()) or key.strip() == SECRET_ENV_SECTION else text
         raise ConfigError(f"override {shown!r}: the value is not valid YAML ({exc.problem})") from None
@@ -232,7 +248,7 @@ def load_yaml(path: Path) -> dict:
         raise ConfigError(f"config file {path}:{line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
                           f"save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = parse_yaml(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -58,3 +58,30 @@ def test_run_sh_refuses_an_infinite_timeout_before_writing(tmp_path):
                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "coordination.peer_timeout must be a finite number (got inf)" in res.stderr and list(log.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, key, value", [
+    ("train.lr=1e-6", "lr", 1e-6), ("train.lr=3E-4", "lr", 3e-4), ("train.lr=+2.5e+1", "lr", 25.0),
+    ("train.lr=2.0e-4", "lr", 2e-4), ("train.max_attempts=1_000", "max_attempts", 1000),
+])
+def test_numbers_are_read_as_users_write_them(text, key, value):
+    # PyYAML reads YAML 1.1, where 1e-6 (no dot) is a string: every ML user's learning rate was refused.
+    train = load_run_config([], [text]).train
+    assert getattr(train, key) == value and type(getattr(train, key)) is type(value)
+
+
+def test_a_learning_rate_with_an_exponent_is_a_number_in_a_yaml_file_too(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 1e-6\n", encoding="utf-8")
+    assert load_run_config([f], []).train.lr == 1e-6
+
+
+@pytest.mark.parametrize("text", ["train.lr=abc", "train.lr=1e", "train.lr=e-6", "train.lr=1e-6x"])
+def test_what_is_not_a_number_is_still_refused_naming_the_value(text):
+    with pytest.raises(ConfigError, match=r"train.lr must be a number \(got '"):
+        load_run_config([], [text])
+
+
+def test_strings_stay_strings():
+    cfg = load_run_config([], ["model.path=1e5-run", "tasks.reward=pkg.mod:fn"])
+    assert cfg.model.path == "1e5-run" and cfg.tasks.reward == "pkg.mod:fn"
