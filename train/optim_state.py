@@ -31,6 +31,12 @@ from coordination.checkpoints import CheckpointError, OPTIMIZER_DIR, stamp_of
 from coordination.records import own_opener
 
 SEP = "::"
+# The key suffix of a trained parameter's own value in the shards: the trainer's float32 state. The
+# published weights are in the serving dtype (bf16 on GPU), which rounds away every update smaller
+# than half a bf16 step of the weight; a trainer that continues from them loses that progress at
+# every reload (docs/design.md §9.6). So the shards hold, beside AdamW's moments, the float32
+# value of every parameter the optimizer trains, and a load continues from it.
+MASTER = "master"
 
 
 def optimizer_dir(folder: Path) -> Path:
@@ -46,10 +52,15 @@ def shard_file(rank: int) -> str:
     return _gen_file_name(1, 1, rank + 1)
 
 
-def _flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """(name::state -> tensor, the optimizer state dict they belong to). A fresh optimizer's state
-    is initialised by get_optimizer_state_dict, so loading has tensors to fill in place."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+def _flat(model: nn.Module, optimizer: torch.optim.Optimizer, *, master: bool = True
+          ) -> tuple[dict[str, torch.Tensor], dict, dict[str, torch.Tensor]]:
+    """(name::state -> tensor, the optimizer state dict they belong to, the trained parameters'
+    values by name). A fresh optimizer's state is initialised by get_optimizer_state_dict, so
+    loading has tensors to fill in place. With `master` the flat dict also holds name::MASTER, the
+    value of every parameter the optimizer trains: the model's state-dict tensors, no copy (an
+    asynchronous save copies them to host memory itself; a load fills them, and
+    `set_model_state_dict` then makes sure the model holds what was loaded)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     sd = get_optimizer_state_dict(model, optimizer)
     flat = {}
@@ -59,7 +70,13 @@ def _flat(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str,
                 raise CheckpointError(f"optimizer state {key!r} of {fqn} is a {type(value).__name__}, not a tensor; "
                                       f"it has no safetensors format")
             flat[f"{fqn}{SEP}{key}"] = value
-    return flat, sd
+    values: dict[str, torch.Tensor] = {}
+    if master:
+        params = get_model_state_dict(model)
+        for fqn in sd["state"]:
+            values[fqn] = params[fqn]
+            flat[f"{fqn}{SEP}{MASTER}"] = values[fqn]
+    return flat, sd, values
 
 
 class _StampingStream:
@@ -118,7 +135,7 @@ def save_optimizer_state(folder: Path, model: nn.Module, optimizer: torch.optim.
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    flat, _ = _flat(model, optimizer)
+    flat, _, _ = _flat(model, optimizer)
     out = optimizer_dir(folder)
     try:
         dcp.save(flat, storage_writer=_stamping_writer(out, stamp))
@@ -143,12 +160,15 @@ def check_shards(folder: Path) -> list[str]:
     return names
 
 
-def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
+def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[int, bool]:
     """Collective: fill `optimizer` from `folder/optimizer/` of the complete checkpoint `folder`,
-    resharded to this rank's slices. Returns the number of parameters restored."""
+    resharded to this rank's slices, and, when the shards hold it, the trained parameters with
+    their float32 state (MASTER) in place of the published weights they were loaded from. Returns
+    (the number of parameters restored, whether their float32 state was)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     src = optimizer_dir(folder)
     if not any(n.startswith("shard-") for n in check_shards(folder)):
@@ -156,7 +176,9 @@ def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: 
                               f"remove {src} to start a fresh optimizer, or restore the checkpoint")
     from torch.distributed.checkpoint.api import CheckpointException
 
-    flat, sd = _flat(model, optimizer)
+    reader = HuggingFaceStorageReader(str(src))
+    stored = reader.read_metadata().state_dict_metadata
+    flat, sd, values = _flat(model, optimizer, master=any(k.endswith(SEP + MASTER) for k in stored))
     try:
         dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(src)))
     except (CheckpointException, RuntimeError) as exc:  # DCP's (a BaseException) gathers every rank's failure
@@ -164,7 +186,9 @@ def load_optimizer_state(folder: Path, optimizer: torch.optim.Optimizer, model: 
                               f"parameter set (LoRA on/off?) or is incomplete; remove {src} to start a fresh "
                               f"optimizer") from None
     set_optimizer_state_dict(model, optimizer, sd)
-    return len(sd["state"])
+    if values:
+        set_model_state_dict(model, values, options=StateDictOptions(strict=False))
+    return len(sd["state"]), bool(values)
 
 
 class OptimizerWrite:
@@ -183,7 +207,7 @@ class OptimizerWrite:
 
         self.folder = Path(folder)
         self.error: BaseException | None = None
-        flat, _ = _flat(model, optimizer)
+        flat, _, _ = _flat(model, optimizer)
         self._future = dcp.async_save(flat, storage_writer=_stamping_writer(self.folder, stamp), process_group=group)
         self._thread = threading.Thread(target=self._run, args=(group, rank, world_size, finish),
                                         name="optimizer-write", daemon=True)

@@ -92,14 +92,19 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
     t = make_trainable(loaded, cfg, info)
     reference = make_reference(ref, cfg, info, t.dtype) if ref is not None else None
     resumed = state is not None and bool(state.get("has_optimizer_state")) and t.weights.resume_optimizer
+    master = False
     if resumed:
-        load_optimizer_state(source, t.optimizer, t.policy)  # collective (DCP); resharded to this world size
+        # collective (DCP); resharded to this world size
+        _, master = load_optimizer_state(source, t.optimizer, t.policy)
         if t.optimizer_offload is not None:
             t.optimizer_offload.to_host()
     opt_step = int(state["optimizer_step"]) if resumed else 0
-    _log.info("rank %d/%d on %s (%s, %s): loaded %s (iteration %d, optimizer step %d%s)", info.rank,
+    _log.info("rank %d/%d on %s (%s, %s): loaded %s (iteration %d, optimizer step %d%s; %s)", info.rank,
               info.world_size, info.device, cfg.backend, str(t.dtype).removeprefix("torch."), source,
-              plan["input_iteration"], opt_step, "" if resumed else ", fresh optimizer")
+              plan["input_iteration"], opt_step, "" if resumed else ", fresh optimizer",
+              "the trained parameters continue from their float32 state" if master else
+              "the weights continue from the published files" + ("" if int(plan["input_iteration"]) == 0 else
+                                                                 " (the checkpoint holds no float32 state)"))
     pad_id = loaded.lm.config.pad_token_id if loaded.lm.config.pad_token_id is not None else 0
     return Held(cfg, plan["config"], t, reference, opt_step, pad_id, int(plan["input_iteration"]))
 
