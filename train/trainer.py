@@ -99,7 +99,7 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
         if t.optimizer_offload is not None:
             t.optimizer_offload.to_host()
     opt_step = int(state["optimizer_step"]) if resumed else 0
-    _log.info("rank %d/%d on %s (%s, %s): loaded %s (iteration %d, optimizer step %d%s; %s)", info.rank,
+    _log.info("rank %d/%d on %s (%s, %s): loaded %s (iteration %d, optimizer step %d%s): %s", info.rank,
               info.world_size, info.device, cfg.backend, str(t.dtype).removeprefix("torch."), source,
               plan["input_iteration"], opt_step, "" if resumed else ", fresh optimizer",
               "the trained parameters continue from their float32 state" if master else
