@@ -37,7 +37,8 @@ markers="not slow and not vllm and not netns and not netfs and not gpu"
 if [ "$gpu" = 1 ]; then
   if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "scripts/test.sh --gpu: .venv's torch sees no CUDA GPU (torch.cuda.is_available() is False); run it on a" \
-         "GPU node, where pip's torch==2.13.0 is the CUDA build" >&2
+         "GPU node, where pip's torch==2.13.0 is the CUDA 13 build; it and vLLM 0.32's kernels need an NVIDIA" \
+         "driver >= 580 (nvidia-smi shows yours)" >&2
     exit 2
   fi
   ensure_gpu_packages

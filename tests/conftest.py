@@ -8,9 +8,24 @@ import pytest
 from tests.procs import Procs
 
 
+# What the pinned wheels need of the machine (README, GPU clusters): said whenever CUDA is unusable.
+CUDA_NEEDS = ("torch 2.13.0 from PyPI is the CUDA 13 build and vLLM 0.32 brings CUDA 13 kernels: they need an "
+              "NVIDIA driver >= 580 (`nvidia-smi` shows the driver version)")
+
+
+def gpu_expected() -> str | None:
+    """Why this machine should have a usable GPU (so an unusable CUDA is a failure, not a skip)."""
+    if os.environ.get("BATON_REQUIRE_GPU") == "1":
+        return "BATON_REQUIRE_GPU=1"
+    if Path("/dev/nvidiactl").exists():
+        return "/dev/nvidiactl exists (an NVIDIA driver is loaded)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """The gpu tier (tests marked gpu) needs CUDA: without it those tests are skipped, saying so;
-    scripts/test.sh --gpu refuses to start on a machine without a GPU instead."""
+    """The gpu tier (tests marked gpu) needs CUDA. On a machine without a GPU those tests are
+    skipped, saying so; on one that should have a usable GPU (`gpu_expected`) they fail, naming the
+    driver requirement: a tier that skips everything there would pass without having run."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -18,9 +33,23 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
+    why = gpu_expected()
+    if why is not None:  # pytest_runtest_setup fails each of them
+        config.stash[_UNUSABLE] = (f"CUDA is unusable (torch.cuda.is_available() is False, torch built for CUDA "
+                                   f"{torch.version.cuda}) although {why}: {CUDA_NEEDS}")
+        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/test.sh --gpu on a GPU node)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+_UNUSABLE = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item):
+    unusable = item.config.stash.get(_UNUSABLE, None)
+    if unusable is not None and item.get_closest_marker("gpu"):
+        pytest.fail(unusable, pytrace=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
