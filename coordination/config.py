@@ -24,8 +24,6 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from coordination.procgroup import START_TIMEOUT
-
 
 class ConfigError(ValueError):
     """A configuration value or key a user must fix; the message says how."""
@@ -460,7 +458,7 @@ class CoordinationConfig:
     dir_refresh_interval: float = option(
         5.0, "seconds between directory listings that refresh negative-lookup caches (NFS) during a wait")
     child_start_timeout: float = option(
-        START_TIMEOUT, "a child (torchrun, an inference server) that is not running its command this many seconds after "
+        120.0, "a child (torchrun, an inference server) that is not running its command this many seconds after "
                "its launch is stopped and its launch fails, naming the command")
     stuck_report_after: float = option(
         300.0, "a node whose main thread stays in one place this long (no poll, no progress) says so, naming where, "

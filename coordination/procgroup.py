@@ -27,13 +27,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from coordination.config import CoordinationConfig
 from coordination.exhaustion import naming
 from coordination.records import ensure_dir, fence_noticed, open_own
 
 log = logging.getLogger("baton.children")
 
 SHIM = str(Path(__file__).with_name("exec_shim.py"))
-START_TIMEOUT = 120.0  # coordination.child_start_timeout's default: the shim needs ~0.05 s on an idle node
+# coordination.child_start_timeout's default, for callers without a config; the shim needs about
+# 20 ms on an idle node.
+START_TIMEOUT = CoordinationConfig.child_start_timeout
 
 
 class ChildFailed(RuntimeError):

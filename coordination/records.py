@@ -289,6 +289,14 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and ".tmp-" in name
 
 
+def temp_writer(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the process that made temp file `name` (`_temp_name`), None if it is none."""
+    if not is_temp_name(name):
+        return None
+    host, _, pid = name.rpartition(".tmp-")[2].rpartition("-")[0].rpartition("-")
+    return (host, int(pid)) if host and pid.isdigit() else None
+
+
 @contextlib.contextmanager
 def atomic_output(target: Path) -> Iterator[Path]:
     """Yield a temp path; on success fsync it and rename it onto `target` in one step.

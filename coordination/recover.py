@@ -26,7 +26,7 @@ from coordination.heartbeat import KIND as HEARTBEAT_KIND
 from coordination.layout import JOBS, LinkInRunFolder, RunLayout, barrier_identity, check_no_links, iteration_number, \
     staging_identity
 from coordination.phases import BY_NUMBER, PHASES
-from coordination.records import RecordError, is_temp_name, publish_record, remove_tree, try_read
+from coordination.records import RecordError, is_temp_name, publish_record, remove_tree, temp_writer, try_read
 from coordination.status import GONE, StatusReader
 
 
@@ -125,12 +125,6 @@ def _live(snap: dict) -> list[tuple[str, dict]]:
     return [(j["job"], r) for j in snap["jobs"] for r in j["ranks"] if r["state"] not in GONE]
 
 
-def _temp_writer(name: str) -> tuple[str, int] | None:
-    """(host, pid) from a temp name `.target.tmp-<host>-<pid>-<random>` (records._temp_name)."""
-    host, _, rest = name.rpartition(".tmp-")[2].rpartition("-")[0].rpartition("-")
-    return (host, int(rest)) if host and rest.isdigit() else None
-
-
 def _mark_refused(items: list[Item], snap: dict) -> None:
     """While ranks look alive `apply` removes nothing; say for each item why, naming the live rank
     that may be using it (a training attempt's staging folder of the iteration it is in, a temp
@@ -142,7 +136,7 @@ def _mark_refused(items: list[Item], snap: dict) -> None:
     for it in items:
         users = []
         staging = staging_identity(it.path.name) if it.path.parent.name == ".staging" else None
-        writer = _temp_writer(it.path.name) if is_temp_name(it.path.name) else None
+        writer = temp_writer(it.path.name)
         for job, r in live:
             if staging is not None and r.get("iteration") in (None, staging[0]):
                 users.append(f"{_describe(r, job)} is {r['state']} in iteration {r.get('iteration') or '?'}: "

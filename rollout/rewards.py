@@ -37,6 +37,7 @@ from fractions import Fraction
 from typing import Any, Callable, Mapping, Union
 
 from rollout.bounded import BoundedCaller, CallTimedOut, TooManyStuck
+from rollout.config import TasksConfig
 from rollout.tasks import Task
 
 RewardFn = Callable[[Union[Task, Mapping[str, Any]], str, str], float]
@@ -175,7 +176,7 @@ class RewardTimeout(RewardError):
 
 
 # Default of `tasks.reward_timeout` for callers without a run config (SFT's eval, tests).
-REWARD_TIMEOUT = 30.0
+REWARD_TIMEOUT = TasksConfig.reward_timeout
 TIMED_OUT = "reward_timeout"  # the finish_reason of a sample whose reward ran past the limit
 
 

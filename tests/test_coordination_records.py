@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,3 +156,12 @@ def test_overrides_apply_and_unknown_keys_name_the_closest(tmp_path: Path):
 def test_coordination_config_rejects_peer_timeout_shorter_than_two_beats():
     with pytest.raises(ConfigError, match="peer_timeout"):
         CoordinationConfig(heartbeat_interval=5, peer_timeout=8)
+
+
+def test_a_temp_file_names_the_host_and_pid_that_made_it_even_when_the_host_has_dashes():
+    from coordination.records import _temp_name, temp_writer
+
+    made = _temp_name(Path("/run/jobs/both/nodes/rank-1/heartbeat.json")).name
+    assert temp_writer(made) == (socket.gethostname(), os.getpid())
+    assert temp_writer(".all.parquet.tmp-gpu-node-07-4242-ab12cd34") == ("gpu-node-07", 4242)
+    assert temp_writer("all.parquet") is None and temp_writer(".x.tmp-host-notapid-ab12") is None
