@@ -114,3 +114,14 @@ def assets(tmp_path_factory):
     from tests.e2e import make_assets
 
     return make_assets(tmp_path_factory.mktemp("e2e-assets"))
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group in the test process (train.distributed), for the module's tests
+    that build, train and save models in-process."""
+    from train.distributed import init_distributed, shutdown
+
+    info = init_distributed(120.0)
+    yield info
+    shutdown()

@@ -23,16 +23,7 @@ SHARD = "optimizer/shard-00001-model-00001-of-00001.safetensors"
 
 
 @pytest.fixture(scope="module")
-def group():
-    from train.distributed import init_distributed, shutdown
-
-    info = init_distributed(60)
-    yield info
-    shutdown()
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory, group):
+def written(tmp_path_factory, process_group):
     """Checkpoints written by save_checkpoint: run-a's iterations 1 and 2, run-b's iteration 1, all
     of the same model (so every weight file and shard has the same size in each)."""
     from train.export import prepare_output_dir, save_checkpoint
@@ -40,12 +31,12 @@ def written(tmp_path_factory, group):
 
     root = tmp_path_factory.mktemp("checkpoints")
     base = write_tiny_model(root / "base", layers=2)
-    policy, opt = _trained(base, group, "fsdp")
+    policy, opt = _trained(base, process_group, "fsdp")
     out = {"base": base}
     for run_id, iteration in (("run-a", 1), ("run-a", 2), ("run-b", 1)):
         folder = root / f"{run_id}-iter-{iteration}"
-        prepare_output_dir(folder, group)
-        save_checkpoint(folder, policy=policy, optimizer=opt, info=group, backend="fsdp", run_id=run_id,
+        prepare_output_dir(folder, process_group)
+        save_checkpoint(folder, policy=policy, optimizer=opt, info=process_group, backend="fsdp", run_id=run_id,
                         iteration=iteration, tokenizer_source=base,
                         trainer_state={"optimizer_step": 1, "iteration": iteration})
         out[(run_id, iteration)] = folder
@@ -78,7 +69,7 @@ def _plant(how: str, source: Path, target: Path) -> None:
 @pytest.mark.parametrize("rel", ["model.safetensors", SHARD], ids=["weights", "optimizer-shard"])
 @pytest.mark.parametrize("how", ["symlink", "hardlink", "copy"])
 @pytest.mark.parametrize("origin", [("run-b", 1), ("run-a", 2)], ids=["another-run", "another-iteration"])
-def test_a_linked_or_copied_file_of_another_checkpoint_is_refused_at_load(written, tmp_path, group, rel, how,
+def test_a_linked_or_copied_file_of_another_checkpoint_is_refused_at_load(written, tmp_path, process_group, rel, how,
                                                                             origin):
     from train.build import load_model
     from train.config import TrainConfig
@@ -133,7 +124,7 @@ def test_a_linked_optimizer_folder_and_a_hard_linked_config_are_refused_too(writ
 
 
 def test_a_checkpoint_as_written_is_complete_stamped_and_loads_in_transformers_dcp_and_the_trainer(written, tmp_path,
-                                                                                                  group):
+                                                                                                  process_group):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -160,7 +151,7 @@ def test_a_checkpoint_as_written_is_complete_stamped_and_loads_in_transformers_d
     assert load_optimizer_state(folder, opt, plain) == (len(list(plain.parameters())), True)
     loaded = load_model(TrainConfig(), folder, read_trainer_state(folder))
     assert loaded.sharded
-    t = make_trainable(loaded, TrainConfig(), group)
+    t = make_trainable(loaded, TrainConfig(), process_group)
     assert torch.equal(dict(t.policy.lm.named_parameters())["model.norm.weight"].full_tensor(), lm.model.norm.weight)
 
 

@@ -27,12 +27,8 @@ from train.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
-def info():
-    from train.distributed import init_distributed, shutdown
-
-    dist_info = init_distributed(120.0)
-    yield dist_info
-    shutdown()
+def info(process_group):
+    return process_group
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,7 @@ from train.config import TrainConfig
 from train.optim_state import load_optimizer_state, save_optimizer_state
 
 
-@pytest.fixture(scope="module")
-def group():
-    from train.distributed import init_distributed, shutdown
-
-    info = init_distributed(60)
-    yield info
-    shutdown()
-
-
-def _trained(model_dir, group, backend: str):
+def _trained(model_dir, process_group, backend: str):
     from train.batches import collate
     from train.model import Policy, load_causal_lm
     from train.optim import build_optimizer
@@ -29,21 +20,21 @@ def _trained(model_dir, group, backend: str):
     from train.step import StepSettings, train_step
 
     policy = Policy(load_causal_lm(model_dir))
-    model = apply_parallelism(policy, backend, group, torch.float32)
+    model = apply_parallelism(policy, backend, process_group, torch.float32)
     opt = build_optimizer(policy.parameters(), TrainConfig())
     mb = collate([{"prompt_ids": [1, 20, 21], "completion_ids": [22, 2]}], pad_id=0)
     train_step(model, list(policy.parameters()), opt, [mb], global_completion_tokens=2, lr=1e-3,
-               settings=StepSettings(algorithm="sft", backend=backend, dtype=torch.float32), info=group)
+               settings=StepSettings(algorithm="sft", backend=backend, dtype=torch.float32), info=process_group)
     return policy, opt
 
 
-def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, group):
+def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, process_group):
     from train.model import Policy, load_causal_lm, named_master_params
     from train.optim import build_optimizer
     from train.tiny import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "tiny", layers=2)
-    policy, opt = _trained(model_dir, group, "fsdp")
+    policy, opt = _trained(model_dir, process_group, "fsdp")
     assert save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0, stamp=Stamp("run-a", 1))
     assert not list((tmp_path / "ckpt").rglob("*.metadata"))   # DCP's pickled metadata is never written
 
@@ -59,7 +50,7 @@ def test_fsdp_optimizer_state_round_trips_into_a_plain_model(tmp_path, group):
         assert torch.equal(p.full_tensor(), q.detach()), name
 
 
-def test_float32_state_below_bf16_resolution_survives_a_reload_from_bf16_weights(tmp_path, group):
+def test_float32_state_below_bf16_resolution_survives_a_reload_from_bf16_weights(tmp_path, process_group):
     # What a GPU run does each time it loads a checkpoint: weights published in bf16, upcast. An
     # update smaller than half a bf16 step is rounded away by that; the shards' float32 state puts it back.
     from train.model import Policy, load_causal_lm, named_master_params
@@ -67,7 +58,7 @@ def test_float32_state_below_bf16_resolution_survives_a_reload_from_bf16_weights
     from train.tiny import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "tiny", layers=2)
-    policy, opt = _trained(model_dir, group, "ddp")
+    policy, opt = _trained(model_dir, process_group, "ddp")
     with torch.no_grad():
         for _, p in named_master_params(policy):
             p.add_(torch.full_like(p, 1e-6) * p.abs().clamp(min=1e-3))  # far below half a bf16 step
@@ -85,14 +76,14 @@ def test_float32_state_below_bf16_resolution_survives_a_reload_from_bf16_weights
         assert torch.equal(p.detach(), trained[n]), n
 
 
-def test_state_of_another_model_or_an_old_format_is_refused_with_the_fix(tmp_path, group):
+def test_state_of_another_model_or_an_old_format_is_refused_with_the_fix(tmp_path, process_group):
     from train.model import Policy, load_causal_lm
     from train.optim import build_optimizer
     from train.tiny import write_tiny_model
 
     small = write_tiny_model(tmp_path / "small", layers=2)
     bigger = write_tiny_model(tmp_path / "bigger", layers=3)
-    policy, opt = _trained(small, group, "ddp")
+    policy, opt = _trained(small, process_group, "ddp")
     save_optimizer_state(tmp_path / "ckpt", policy, opt, rank=0, stamp=Stamp("run-a", 1))
     other = Policy(load_causal_lm(bigger))
     with pytest.raises(CheckpointError, match="remove .*optimizer"):
