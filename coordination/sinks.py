@@ -99,6 +99,11 @@ def prepare_folders(cfg, layout: RunLayout) -> None:
     _prepared.add(layout.root)
 
 
+def _prepare_once(cfg, layout: RunLayout) -> None:
+    if layout.root not in _prepared:
+        prepare_folders(cfg, layout)
+
+
 def fold_core_log_links(layout: RunLayout) -> None:
     """W&B's service links every W&B run's `logs/debug-core.log` to its own log in its cache folder
     (here `wandb/cache/wandb/logs/`), whatever the settings say. A run folder holds no links, so
@@ -128,8 +133,6 @@ def fold_core_log_links(layout: RunLayout) -> None:
 
 def _open(cfg, layout: RunLayout) -> None:
     fence_check()  # event files live under the log path too (docs/design.md §5 rule 7)
-    if layout.root not in _prepared:
-        prepare_folders(cfg, layout)
     if cfg.tensorboard and "tb" not in _writers:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -168,7 +171,7 @@ def start(cfg, layout: RunLayout) -> None:
     the configured sinks in the background (the master calls it when it joins), so the first
     iteration's metrics find them ready."""
     if cfg.tensorboard or cfg.wandb.mode != "disabled":
-        prepare_folders(cfg, layout)
+        _prepare_once(cfg, layout)
         _worker().put(lambda: _open(cfg, layout))
 
 
@@ -176,6 +179,7 @@ def emit(cfg, layout: RunLayout, rec: dict[str, Any]) -> None:
     """Queue one iteration's metrics for the sinks; returns at once."""
     fence_check()
     if cfg.tensorboard or cfg.wandb.mode != "disabled":
+        _prepare_once(cfg, layout)  # here, on the caller's thread, when start() was not called
         _worker().put(lambda: _write(cfg, layout, dict(rec)))
 
 
