@@ -57,7 +57,6 @@ class ResidentTrainer:
         self.launch_id: str | None = None
         self.seq = 0
         self.launches = 0
-        self._log_start = 0
 
     def alive(self) -> str | None:
         """The launch id of a trainer that is still running, else None."""
@@ -72,7 +71,6 @@ class ResidentTrainer:
         self.node.check_fence()  # a superseded node starts nothing
         self.proc = start_child(cmd, env={**env, **driver_env()}, log_file=self.log_file,
                                 what=f"resident trainer {launch_id}", start_timeout=self.node.cfg.child_start_timeout)
-        self._log_start = self.proc.log_start
         self.launch_id, self.seq = launch_id, 0
         self.launches += 1
         log.info("launched the resident trainer %s (torchrun pid %d)", launch_id, self.proc.pid)
@@ -102,11 +100,11 @@ class ResidentTrainer:
             if res["ok"]:
                 return res
             if self.proc is None or self.proc.poll() is not None:
-                code = None if self.proc is None else self.proc.returncode
-                if self.proc is not None:
-                    self.proc.join_output()  # its last words are what `exited` quotes
-                self.proc, self.launch_id = None, None
-                raise exited(f"{what}: the resident trainer", code, self.log_file, self._log_start)
+                child, self.proc, self.launch_id = self.proc, None, None
+                if child is None:
+                    raise exited(f"{what}: the resident trainer", None, self.log_file)
+                child.join_output()  # its last words are what `exited` quotes
+                raise exited(f"{what}: the resident trainer", child.returncode, self.log_file, child.log_start)
             check_node_and_peers(self.node, peers, what)
             if on_tick is not None:
                 on_tick()

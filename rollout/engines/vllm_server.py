@@ -203,16 +203,23 @@ def tied_embeddings(model_dir: Path) -> bool:
 
 
 class ServerProcess:
-    """One launched server: its own process group (start_new_session=True), output to `log_file`."""
+    """One launched server (procgroup.start_child: its own process group), output to `log_file`."""
 
     def __init__(self, spec: ServerSpec, log_file: Path, start_timeout: float = START_TIMEOUT):
         self.spec = spec
         self.log_file = Path(log_file)
         self.start_timeout = start_timeout
         self.child: Child | None = None
-        self.proc: subprocess.Popen | None = None
         self.pgid: int | None = None
-        self.log_start = 0
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return None if self.child is None else self.child.proc
+
+    @property
+    def log_start(self) -> int:
+        """Where this start's output begins in the log file (every start appends to it)."""
+        return 0 if self.child is None else self.child.log_start
 
     def tail(self, lines: int = 40) -> str:
         """The end of this start's output (the log file is appended to by every start)."""
@@ -231,9 +238,7 @@ class ServerProcess:
                                      start_timeout=self.start_timeout)
         except ChildStartError as exc:
             raise EngineError(f"{exc}; check inference.vllm.python ({self.spec.argv[0]})") from exc
-        self.proc = self.child.proc
-        self.log_start = self.child.log_start
-        self.pgid = self.proc.pid  # leader of its own new session and group
+        self.pgid = self.child.pid  # leader of its own new session and group
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
