@@ -180,14 +180,14 @@ def test_two_nodes_resident_keep_their_trainers_and_equal_torchrun_per_iteration
 HELD_OFFLOAD_S = 3.0
 
 
-def _check_release_before_swap(lay: RunLayout, iterations: int) -> None:
+def _check_release_before_swap(lay: RunLayout, iterations: int, nodes: int = 2) -> None:
     """On each node and in each iteration that swaps the engine's weights (the last does not): the
     trainer said "offloaded" before phase 12 began, every rank's result says it released its
     memory, and iteration 2's held offload made phase 10 wait instead of overlapping phase 12."""
     from coordination import timeline
 
     job = lay.job("both")
-    for r in (0, 1):
+    for r in range(nodes):
         offloaded = {ev["iteration"]: ev["wall"] for ev in timeline.read(job.trainer_timeline(r))
                      if ev["event"] == "offloaded"}
         phases = {(ev["iteration"], ev["phase"], ev["event"]): ev["wall"] for ev in timeline.read(job.timeline(r))}
@@ -195,7 +195,9 @@ def _check_release_before_swap(lay: RunLayout, iterations: int) -> None:
             assert offloaded[it] < phases[(it, 12, "start")], (r, it, offloaded, phases)
         phase10 = phases[(2, 10, "end")] - phases[(2, 10, "start")]
         assert phase10 >= HELD_OFFLOAD_S, f"rank {r}: phase 10 of iteration 2 took {phase10:.2f} s"
-    for it, res in _results(lay, iterations).items():
+    results = _results(lay, iterations, world=nodes)
+    assert sorted(results) == list(range(1, iterations + 1)), results
+    for it, res in results.items():
         assert all(d["released"] for d in res["ranks"]), (it, res["ranks"])
 
 

@@ -231,7 +231,9 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def device_memory_mb(device: torch.device) -> float:
-    """Memory the caching allocator has handed out on `device` (MiB); 0 on CPU, which has no such count."""
+    """Device memory this process's caching allocator holds on `device` (MiB): its tensors and its
+    cache (reserved), which no other process (the engine) can use until it is emptied. 0 on CPU,
+    which has no such count."""
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
+        return torch.cuda.memory_reserved(device) / 2**20
     return 0.0
