@@ -9,7 +9,8 @@
 - `reference`: load MODEL as the KL reference (load_reference + make_reference) and write the same;
 - `resume`: load the checkpoint MODEL with its optimizer state (resharded to this world size),
   train the same step again, write the weights (`OUT/next-TAG.safetensors`); `fresh` does the same
-  without the optimizer state, to show that the state matters.
+  without the optimizer state, to show that the state matters; `loaded` writes the weights it
+  continues from after that load (`OUT/loaded-TAG.safetensors`) without a step.
 
 Tolerances: float32 arithmetic of the same step in another order (1 vs 2 ranks): 1e-6, as
 tests/test_train_levers_dist.py uses.
@@ -139,8 +140,11 @@ def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
             return
         state = read_trainer_state(model)
         assert state["has_optimizer_state"]
-        if mode == "resume":
+        if mode in ("resume", "loaded"):
             load_optimizer_state(model, t.optimizer, t.policy)
+        if mode == "loaded":
+            _save_full(t, out / f"loaded-{tag}.safetensors", info)
+            return
         _step(t, cfg, info)
         _save_full(t, out / f"next-{tag}.safetensors", info)
     finally:
@@ -292,6 +296,22 @@ def test_dcp_optimizer_state_saved_by_two_ranks_resumes_at_one_and_two_with_the_
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL
     # Without the saved moments the step differs by far more than the tolerance: the state was used.
     assert max((fresh[k] - w2[k]).abs().max().item() for k in w1) > 100 * TOL
+
+
+def test_a_bf16_checkpoint_of_two_ranks_resumes_at_one_and_two_from_the_float32_state_it_trained(base, tmp_path):
+    """The published weights are bf16; the trainer continues from the float32 values it held
+    (the shards' master entries, resharded by DCP to the new world size: a copy, so exact), not
+    from the bf16 weights upcast, which differ from them after a step."""
+    _launch("publish", base, tmp_path, 2, extra={"dtype": "bfloat16"})
+    trained = _load(tmp_path / "trained.safetensors")
+    published, dtype = _published_weights(tmp_path / "ckpt")
+    assert dtype == torch.bfloat16
+    assert any(not torch.equal(published[k].float(), v) for k, v in trained.items())
+    for world in (1, 2):
+        _launch("loaded", tmp_path / "ckpt", tmp_path, world, tag=f"w{world}", extra={"dtype": "bfloat16"})
+        loaded = _load(tmp_path / f"loaded-w{world}.safetensors")
+        assert loaded.keys() == trained.keys()
+        assert all(torch.equal(loaded[k], trained[k]) for k in trained), world
 
 
 def test_the_optimizer_state_written_in_the_background_is_the_one_of_its_step_and_resumes_alike(base, tmp_path):
