@@ -36,7 +36,7 @@ from rl.payloads import (EvalChoice, EvalResult, IterationSummary, Rendezvous, R
                          Trained, TrainerReady)
 from rl.pipeline import wait_for_checkpoint, wait_for_rollouts
 from rl.plan import RUNS_WHEN, RunPlan, make_plan
-from rl.run_cli import RunArgs
+from rl.args import RunArgs
 from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
 from rollout.rewards import load_reward

@@ -9,7 +9,7 @@ import pytest
 from coordination.config import load
 from rl.driver import RLJob
 from coordination.layout import RunLayout
-from rl.run_cli import RunArgs
+from rl.args import RunArgs
 from rl.runconfig import RunConfig
 from coordination.runner import Step
 from coordination.phases import BY_NUMBER

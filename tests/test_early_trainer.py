@@ -15,7 +15,7 @@ from coordination.phases import BY_NUMBER, PhaseId
 from coordination.runner import Step
 from rl.driver import RLJob
 from rl.payloads import SyncGo
-from rl.run_cli import RunArgs
+from rl.args import RunArgs
 from rl.runconfig import RunConfig
 
 
