@@ -17,7 +17,7 @@ import yaml
 
 from coordination import exits, log as blog, metrics, sinks
 from coordination.barrier import Arrival, Barrier
-from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest, serving_weights
+from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest
 from coordination.children import run_watched
 from coordination.config import to_dict
 from coordination.join import join_job
@@ -103,7 +103,7 @@ class RLJob:
         self.is_eval, self.is_final_eval = self.plan.is_eval, self.plan.is_final_eval
         self.shares = self.plan.shares
 
-    # -- policies and the engine ---------------------------------------------------------------
+    # -- policies ------------------------------------------------------------------------------
     def policy(self, iteration: int) -> tuple[int, Path]:
         """Checkpoint `iteration` (the base model for 0); it must be complete."""
         if iteration == 0:
@@ -120,25 +120,6 @@ class RLJob:
         if self.kind.waits_for != "checkpoint":
             return self.policy(step.iteration - 1)
         return self.policy(int(SyncGo.of(step).policy_iteration))
-
-    @property
-    def engine(self):
-        return self.engines.engine
-
-    @engine.setter
-    def engine(self, engine) -> None:
-        self.engines.engine = engine
-
-    @property
-    def served(self) -> int | None:
-        return self.engines.served
-
-    @served.setter
-    def served(self, iteration: int | None) -> None:
-        self.engines.served = iteration
-
-    def ensure_engine(self, policy_iteration: int, path: Path) -> None:
-        self.engines.ensure(policy_iteration, path)
 
     # -- tasks -------------------------------------------------------------------------------
     def tokenizer(self):
@@ -160,12 +141,12 @@ class RLJob:
         from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 
         policy_it, path = self.rollout_policy(step)
-        self.ensure_engine(policy_it, path)
+        self.engines.ensure(policy_it, path)
         mine = self.shares(split, step.iteration)[self.node.rank]
         sampling, group = sampling_for(self.cfg.rollout, split)
         target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
                                generation=self.node.generation, policy_iteration=policy_it)
-        sampler = Sampler(self.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
+        sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
         s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),
@@ -242,13 +223,9 @@ class RLJob:
             if self.node.is_master:
                 wait_for_rollouts(self, step.iteration)
             return {}
-        if self.engine is not None and self.engine.running:
-            if self.cfg.inference.between_iterations == "restart":
-                self.engine.stop()
-            elif self.cfg.inference.between_iterations == "sleep":
-                # Phase 12 wakes it with the new checkpoint: other base weights, unless only adapters change.
-                lora = self.cfg.train.lora
-                self.engine.sleep(new_weights=self.kind.trains and not (lora.rank and lora.publish == "adapters"))
+        # Phase 12 serves the new checkpoint: other base weights, unless only adapters change.
+        lora = self.cfg.train.lora
+        self.engines.pause(new_weights=self.kind.trains and not (lora.rank and lora.publish == "adapters"))
         return {}
 
     def checkpoint_done(self, iteration: int) -> bool:
@@ -380,15 +357,7 @@ class RLJob:
                                what=f"the master to publish checkpoint {step.iteration}", peers=lambda: [0],
                                dirs=[self.layout.checkpoints_dir])
         self.trainers.check_released(step.iteration)
-        it, path = self.policy(step.iteration)
-        if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
-                and self.engine.running):
-            weights, adapter = serving_weights(path)
-            self.engine.wake(weights)
-            self.engine.set_adapter(adapter)
-            self.served = it
-        else:
-            self.ensure_engine(it, path)
+        self.engines.resume(*self.policy(step.iteration))
         return {}
 
     def decide_done(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
