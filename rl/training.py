@@ -39,7 +39,8 @@ def own_address(master_addr: str) -> str:
 class TrainerLifecycle:
     """One node's trainer across iterations. With train.resident (the default) one torchrun per
     launch serves many iterations through orders; without it phase 10 runs one torchrun per
-    attempt and only `rendezvous` and `command` serve it. `trainer` is None until a launch."""
+    attempt, for which the lifecycle gives only the rendezvous, command, log and earlier results.
+    `trainer` is None until a launch."""
 
     def __init__(self, node, plan: RunPlan, *, beside_engine: bool):
         self.node, self.plan, self.cfg = node, plan, plan.cfg
