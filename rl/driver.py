@@ -9,42 +9,35 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
-import socket
 from pathlib import Path
 
 import yaml
 
-from coordination import exhaustion, exits, log as blog, metrics, sinks
+from coordination import exits, log as blog, metrics, sinks
 from coordination.barrier import Arrival, Barrier
-from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest, serving_weights
-from coordination.children import ChildFailed, run_watched
+from coordination.checkpoints import apply_retention, is_complete, publish_checkpoint, read_latest
+from coordination.children import run_watched
 from coordination.config import to_dict
 from coordination.join import join_job
 from coordination.layout import RunLayout
-from coordination.manifest import read_master
-from coordination.net import free_port
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, PhaseId
 from coordination.progress import Progress
 from coordination.records import ensure_dir, open_own, publish_bytes, publish_record
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
+from rl.args import RunArgs
 from rl.dryrun import dry_run
 from rl.payloads import (EvalChoice, EvalResult, IterationSummary, Rendezvous, RolloutDone, SyncGo, TrainAggregated,
-                         Trained, TrainerReady)
+                         Trained)
 from rl.pipeline import wait_for_checkpoint, wait_for_rollouts
 from rl.plan import RUNS_WHEN, RunPlan, make_plan
-from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
+from rl.training import TrainerLifecycle
 from rollout.rewards import load_reward
 from train.benchmark import render_table
-from train.launch import torchrun_env
-from train.memory_plan import gpu_visible
-from train.resident import ResidentTrainer
-from train.results import read_results
 
 log = logging.getLogger("baton.driver")
 
@@ -53,16 +46,6 @@ class AttemptFailed(RuntimeError):
     """This node's training attempt failed on another rank, or before this process ran it. Not a
     ChildFailed: the words it quotes (a full disk, say) are another process's report, no cause for
     this node to stop (coordination/exhaustion.py reads only a child's own words)."""
-
-
-def own_address(master_addr: str) -> str:
-    """This node's address on the route to the master (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master_addr, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return master_addr
 
 
 class StepProgress:
@@ -111,19 +94,16 @@ class RLJob:
         self.plan = plan or make_plan(args, cfg)
         self.kind = self.plan.kind
         self.layout: RunLayout = node.layout
-        self.trainer = None  # train.resident.ResidentTrainer once phase 0 or 10 launched one
-        self._early_launches: set[str] = set()  # the early rendezvous ids this process acted on
         self._tokenizer = None
         self._reward = None
-        self.trainer_log = node.job.log_file(node.rank, "trainer")
-        self._release_due: int | None = None  # the iteration whose phase 12 must find the trainer released
+        self.trainers = TrainerLifecycle(node, self.plan, beside_engine=self.kind.serves)
         self.engines = EngineLifecycle(cfg.inference, rank=node.rank, temperature=cfg.rollout.temperature,
                                        log_file=node.job.log_file(node.rank, "inference"), debug_mode=args.debug_mode,
                                        say=node.say, start_timeout=cfg.coordination.child_start_timeout)
         self.is_eval, self.is_final_eval = self.plan.is_eval, self.plan.is_final_eval
         self.shares = self.plan.shares
 
-    # -- policies and the engine ---------------------------------------------------------------
+    # -- policies ------------------------------------------------------------------------------
     def policy(self, iteration: int) -> tuple[int, Path]:
         """Checkpoint `iteration` (the base model for 0); it must be complete."""
         if iteration == 0:
@@ -140,38 +120,6 @@ class RLJob:
         if self.kind.waits_for != "checkpoint":
             return self.policy(step.iteration - 1)
         return self.policy(int(SyncGo.of(step).policy_iteration))
-
-    @property
-    def engine(self):
-        return self.engines.engine
-
-    @engine.setter
-    def engine(self, engine) -> None:
-        self.engines.engine = engine
-
-    @property
-    def served(self) -> int | None:
-        return self.engines.served
-
-    @served.setter
-    def served(self, iteration: int | None) -> None:
-        self.engines.served = iteration
-
-    def ensure_engine(self, policy_iteration: int, path: Path) -> None:
-        self.engines.ensure(policy_iteration, path)
-
-    def close_engine(self) -> None:
-        self.engines.close()
-
-    def close_trainer(self, finished: bool) -> None:
-        """Stop this node's resident trainer: after a finished run through a stop order (its last
-        optimizer state reaches the disk first), after anything else by its process group."""
-        if self.trainer is None:
-            return
-        if finished:
-            self.trainer.close(self.cfg.train.collective_timeout)
-        else:
-            self.trainer.stop()
 
     # -- tasks -------------------------------------------------------------------------------
     def tokenizer(self):
@@ -193,12 +141,12 @@ class RLJob:
         from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 
         policy_it, path = self.rollout_policy(step)
-        self.ensure_engine(policy_it, path)
+        self.engines.ensure(policy_it, path)
         mine = self.shares(split, step.iteration)[self.node.rank]
         sampling, group = sampling_for(self.cfg.rollout, split)
         target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
                                generation=self.node.generation, policy_iteration=policy_it)
-        sampler = Sampler(self.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
+        sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
         s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),
@@ -221,7 +169,7 @@ class RLJob:
             need = step.iteration - 1 if self.kind.policy == "previous" else \
                 max(0, step.iteration - 1 - self.cfg.run.max_staleness)
             wait_for_checkpoint(self, need)
-        return self.ready(step) if self.plan.resident_trainer and self.kind.trains else {}
+        return self.trainers.ready() if self.plan.resident_trainer and self.kind.trains else {}
 
     def decide0(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
@@ -235,51 +183,20 @@ class RLJob:
                 chosen = step.iteration - 1  # evaluate exactly the checkpoint of the previous iteration
             go = SyncGo(policy_iteration=chosen)
         if (self.plan.resident_trainer and self.plan.runs(PhaseId.TRAIN, step.iteration)
-                and self._common_launch(arrivals) is None and not self.already_trained(step.iteration)):
-            go = SyncGo(go.policy_iteration, trainer=self.rendezvous(step.iteration, 1, early=True))
+                and self.trainers.common_launch(arrivals) is None and not self.already_trained(step.iteration)):
+            go = SyncGo(go.policy_iteration, trainer=self.trainers.rendezvous(step.iteration, 1, early=True))
         return Verdict("continue", payload=go.to_dict())
 
     def start_trainer_early(self, step: Step) -> None:
-        """On every node, at its first action after phase 0's GO named an early rendezvous: launch the
-        resident trainer now, so that torchrun, the imports and the rendezvous (and, where the trainer
-        takes no accelerator memory the engine needs, the model load) overlap the rollouts instead
-        of opening phase 10 (docs/design.md §9.6). Phase 9 decides as always: every node reuses this
-        launch only if all of them report it alive, else all launch anew. A GO decided before this
-        process joined (it restarted mid-iteration) launches nothing."""
-        asked = SyncGo.of(step).trainer
-        rdzv = Rendezvous.from_dict(asked) if asked else None
-        if rdzv is None or rdzv.rdzv_id in self._early_launches:
-            return
-        self._early_launches.add(rdzv.rdzv_id)
-        mine = step.gos[PhaseId.SYNC].arrivals.get(str(self.node.rank)) or {}
-        if mine.get("generation") != self.node.generation:
-            return
-        if self.trainer is None:
-            self.trainer = ResidentTrainer(self.node, self.trainer_log)
-        cmd, env = self.torchrun(step, rdzv)
-        try:
-            self.trainer.launch(cmd, env, rdzv.rdzv_id)
-        except OSError as exc:
-            if exits.classify(exc) == exits.RESOURCE:
-                raise  # phase 10 would fail the same way: this node stops now (exit 8)
-            log.warning("could not launch the resident trainer early (%s); phase 10 launches it", exc)
-            return
-        if self.trainer_may_load_early():
+        """Launch the resident trainer early if phase 0's GO asked for it (TrainerLifecycle.launch_early),
+        with the model inputs of the iteration's policy for the model load that may overlap the rollouts."""
+        def inputs() -> dict:
             from train.data import model_inputs  # pyarrow: see roll_out
 
             it, path = self.policy(step.iteration - 1)
-            self.trainer.order(prepare=model_inputs(self.cfg.train, iteration=step.iteration, input_checkpoint=path,
-                                                    input_iteration=it, world_size=self.train_world_size))
-
-    def trainer_may_load_early(self) -> bool:
-        """Whether an early trainer may load its model while the engine serves: only where it takes
-        no accelerator memory the engine needs (a job without an engine, or a node without a GPU).
-        Else it loads at its first order, after phase 7 stopped or slept the engine."""
-        return not self.kind.serves or not gpu_visible()
-
-    @property
-    def train_world_size(self) -> int:
-        return self.args.num_nodes * self.cfg.train.nproc_per_node
+            return model_inputs(self.cfg.train, iteration=step.iteration, input_checkpoint=path,
+                                input_iteration=it, world_size=self.trainers.world_size)
+        self.trainers.launch_early(step, inputs)
 
     def decide_eval_choice(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
@@ -306,13 +223,9 @@ class RLJob:
             if self.node.is_master:
                 wait_for_rollouts(self, step.iteration)
             return {}
-        if self.engine is not None and self.engine.running:
-            if self.cfg.inference.between_iterations == "restart":
-                self.engine.stop()
-            elif self.cfg.inference.between_iterations == "sleep":
-                # Phase 12 wakes it with the new checkpoint: other base weights, unless only adapters change.
-                lora = self.cfg.train.lora
-                self.engine.sleep(new_weights=self.kind.trains and not (lora.rank and lora.publish == "adapters"))
+        # Phase 12 serves the new checkpoint: other base weights, unless only adapters change.
+        lora = self.cfg.train.lora
+        self.engines.pause(new_weights=self.kind.trains and not (lora.rank and lora.publish == "adapters"))
         return {}
 
     def checkpoint_done(self, iteration: int) -> bool:
@@ -325,42 +238,23 @@ class RLJob:
             return {"skipped": "checkpoint already published"}
         it, path = self.policy(step.iteration - 1)
         plan = prepare_training_data(self.layout, step.iteration, self.cfg.train, run_id=self.node.run_id,
-                                     world_size=self.train_world_size,
+                                     world_size=self.trainers.world_size,
                                      temperature=self.cfg.rollout.temperature, input_checkpoint=path,
                                      input_iteration=it)
         return {"plan": str(plan)}
-
-    def rendezvous(self, iteration: int, attempt: int, *, early: bool = False) -> dict:
-        """Where torchrun's agents meet for one attempt (or, `early`, for the launch at phase 0): a
-        fresh port and rendezvous id each time (a Rendezvous record, as a GO payload)."""
-        addr = read_master(self.node.job, self.node.run_id)["addr"]
-        name = "early" if early else f"a{attempt}"
-        return Rendezvous(addr=addr, port=free_port(addr), attempt=attempt,
-                          rdzv_id=f"{self.node.run_id}-{self.node.job.name}-i{iteration}-{name}").to_dict()
-
-    def ready(self, step: Step) -> dict:
-        """Phase 0 and phase 9 arrival: the launch this node's resident trainer serves, if one is alive."""
-        return TrainerReady(self.trainer.alive() if self.trainer is not None else None).to_dict()
 
     def decide_ready(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
         if v.decision != "continue":
             return v
         if self.plan.resident_trainer:
-            launch = self._common_launch(arrivals)
+            launch = self.trainers.common_launch(arrivals)
             if launch is not None:
                 # Every node's trainer is alive and of one launch: they keep serving.
                 return Verdict("continue", payload=Rendezvous(reuse=launch).to_dict())
         # A fresh rendezvous: the first training of this process, or a node without its trainer
         # (restarted, or its trainer died), so every node launches anew.
-        return Verdict("continue", payload=self.rendezvous(step.iteration, 1))
-
-    def _common_launch(self, arrivals: dict[int, Arrival]) -> str | None:
-        """The launch every node's arrival (TrainerReady) names as its live trainer, if they agree."""
-        launches = {TrainerReady.from_dict(a.payload).trainer for a in arrivals.values()}
-        if len(launches) == 1 and None not in launches and len(arrivals) == self.args.num_nodes:
-            return launches.pop()
-        return None
+        return Verdict("continue", payload=self.trainers.rendezvous(step.iteration, 1))
 
     def _attempt_failed_elsewhere(self, step: Step) -> str | None:
         """An error another rank already reported for this attempt. A torchrun attempt needs every
@@ -374,29 +268,6 @@ class RLJob:
             if a is not None and not a.ok:
                 return f"attempt {step.attempt} already failed on rank {r}: {a.error}"
         return None
-
-    def _attempt_failed_before(self, step: Step) -> str | None:
-        """An error a trainer rank recorded for this attempt before this process ran it. A node that
-        stopped on a full disk (exit 8) did not arrive, so its restart runs the same attempt again,
-        where that old result would fail every new trainer at once, however much space was freed.
-        That attempt has failed: reported, the master's decision moves on to the next one."""
-        errors = read_results(self.layout, step.iteration, step.attempt, self.train_world_size,
-                              run_id=self.node.run_id)["errors"]
-        if not errors:
-            return None
-        rank, error = sorted(errors.items())[0]
-        return (f"attempt {step.attempt} failed before this process started (trainer rank {rank}: "
-                f"{error.splitlines()[0] if error else 'failed'}); the next attempt trains afresh")
-
-    def torchrun(self, step: Step, rdzv: Rendezvous) -> tuple[list[str], dict[str, str]]:
-        """This node's phase-10 torchrun command and environment for the rendezvous `rdzv`."""
-        is_host = self.node.is_master
-        cmd = self.plan.torchrun_argv(self.layout, step.iteration, step.attempt, self.node.rank,
-                                      endpoint=rdzv.endpoint, rdzv_id=rdzv.rdzv_id,
-                                      is_host=is_host, local_addr=rdzv.addr if is_host else own_address(rdzv.addr))
-        env = torchrun_env(os.environ, omp_threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
-                           socket_ifname=self.cfg.coordination.socket_ifname or None)
-        return cmd, env
 
     def _attempt_watch(self, step: Step, progress: StepProgress):
         """What the driver checks while its trainer works: progress lines, and another rank's
@@ -424,16 +295,16 @@ class RLJob:
         failed = self._attempt_failed_elsewhere(step)
         if failed:
             raise AttemptFailed(failed)
-        before = self._attempt_failed_before(step)
+        before = self.trainers.failed_before(step)
         if before:
             raise AttemptFailed(before)
         rdzv = Rendezvous.for_attempt(step)
         if self.plan.resident_trainer:
             return self.train_resident(step, rdzv)
         self.before_torchrun()
-        cmd, env = self.torchrun(step, rdzv)
+        cmd, env = self.trainers.command(step, rdzv)
 
-        log_file = self.trainer_log
+        log_file = self.trainers.log_file
         progress = StepProgress(log_file, f"train iter {step.iteration}", self.node)
         watch_attempt = self._attempt_watch(step, progress)
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
@@ -445,42 +316,16 @@ class RLJob:
         return Trained(step.attempt).to_dict()
 
     def train_resident(self, step: Step, rdzv: Rendezvous) -> dict:
-        """Phase 10 with a resident trainer: launch it if this iteration's GO asks for a fresh
-        rendezvous (or this node's trainer is not the one the GO names), give it the iteration's
-        plan, and wait for every trainer rank's result record."""
-        if self.trainer is None:
-            self.trainer = ResidentTrainer(self.node, self.trainer_log)
-        if rdzv.reuse is not None:
-            if self.trainer.alive() != rdzv.reuse:
-                raise ChildFailed(f"the resident trainer {rdzv.reuse} of this node is no longer running "
-                                  f"(see {self.trainer.log_file}); the next attempt launches a fresh one")
-        else:
-            cmd, env = self.torchrun(step, rdzv)
-            self.node.say(f"launching the resident trainer ({rdzv.rdzv_id})", beat=True)
-            self.trainer.launch(cmd, env, rdzv.rdzv_id)
-        world = self.train_world_size
-        offload = self.cfg.train.offload_between_iterations and self.kind.serves
-        self.trainer.order(iteration=step.iteration, attempt=step.attempt,
-                           plan=str(self.layout.training_plan(step.iteration)), offload=offload)
-        progress = StepProgress(self.trainer.log_file, f"train iter {step.iteration}", self.node)
+        """Phase 10 with a resident trainer: order this iteration's training (launching the trainer
+        if the GO asks for a fresh rendezvous) and wait for every trainer rank's result record."""
+        self.trainers.order(step, rdzv)
+        progress = StepProgress(self.trainers.log_file, f"train iter {step.iteration}", self.node)
         tick = self._attempt_watch(step, progress)
         self.node.say(f"training iteration {step.iteration} attempt {step.attempt}", beat=True)
-        what = f"training (iteration {step.iteration}, attempt {step.attempt})"
         try:
-            self.trainer.wait(lambda: read_results(self.layout, step.iteration, step.attempt, world,
-                                                   run_id=self.node.run_id),
-                              peers=range(self.args.num_nodes), what=what, on_tick=tick)
-        except BaseException as exc:
-            # A failed attempt ends this launch on every node: the retry rendezvous anew.
-            self.trainer.stop()
-            # A trainer's full disk rarely names a file (safetensors: "os error 28"): name where it writes.
-            short = exhaustion.of(exc, self.layout.checkpoint_staging(step.iteration, step.attempt))
-            if short is not None:
-                raise short from exc
-            raise
+            self.trainers.results(step, on_tick=tick)
         finally:
             progress.close()
-        self._release_due = step.iteration if offload else None
         return Trained(step.attempt).to_dict()
 
     def decide_train(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
@@ -489,7 +334,8 @@ class RLJob:
             self.after_training()
             return Verdict("continue", payload=Trained(step.attempt).to_dict())
         # Always "retry": the runner turns it into an abort once train.max_attempts are used.
-        return Verdict("retry", failure_summary(step, failed), self.rendezvous(step.iteration, step.attempt + 1))
+        return Verdict("retry", failure_summary(step, failed),
+                       self.trainers.rendezvous(step.iteration, step.attempt + 1))
 
     def publish(self, step: Step) -> dict:
         attempt = Trained.of(step).attempt
@@ -510,30 +356,9 @@ class RLJob:
             self.node.wait_for(lambda: True if self.checkpoint_done(step.iteration) else None,
                                what=f"the master to publish checkpoint {step.iteration}", peers=lambda: [0],
                                dirs=[self.layout.checkpoints_dir])
-        self._check_trainer_released(step)
-        it, path = self.policy(step.iteration)
-        if (self.cfg.inference.between_iterations == "sleep" and self.engine is not None
-                and self.engine.running):
-            weights, adapter = serving_weights(path)
-            self.engine.wake(weights)
-            self.engine.set_adapter(adapter)
-            self.served = it
-        else:
-            self.ensure_engine(it, path)
+        self.trainers.check_released(step.iteration)
+        self.engines.resume(*self.policy(step.iteration))
         return {}
-
-    def _check_trainer_released(self, step: Step) -> None:
-        """The rule behind phase 12: an engine that shares the trainer's devices wakes or starts only
-        after every local trainer process released its device memory. The trainer writes its result
-        only after releasing (train_iteration), so phase 10's wait already orders the two; this check
-        makes a break of that order an error instead of an out-of-memory wake."""
-        if self._release_due != step.iteration or self.trainer is None:
-            return  # this process ordered no offload for this iteration (not trained here, or none asked)
-        held = self.trainer.unreleased(step.iteration, self.cfg.train.nproc_per_node)
-        if held:
-            raise RuntimeError(f"the engine must not start on the trainer's devices before every local trainer "
-                               f"process released its memory after iteration {step.iteration}; still holding: "
-                               f"{'; '.join(held)}")
 
     def decide_done(self, step: Step, arrivals: dict[int, Arrival]) -> Verdict:
         v = default_decide(step, arrivals)
@@ -565,7 +390,7 @@ class RLJob:
             P.AGGREGATE_EVAL: Phase(spec[P.AGGREGATE_EVAL], decide=self.decide_eval),
             P.STOP_INFERENCE: Phase(spec[P.STOP_INFERENCE], self.stop_inference),
             P.PREPARE_TRAINING_DATA: Phase(spec[P.PREPARE_TRAINING_DATA], self.prepare),
-            P.TRAINING_READY: Phase(spec[P.TRAINING_READY], self.ready, self.decide_ready),
+            P.TRAINING_READY: Phase(spec[P.TRAINING_READY], lambda s: self.trainers.ready(), self.decide_ready),
             P.TRAIN: Phase(spec[P.TRAIN], self.train, self.decide_train, max_attempts=self.cfg.train.max_attempts,
                   attempts_key="train.max_attempts"),
             P.PUBLISH_CHECKPOINT: Phase(spec[P.PUBLISH_CHECKPOINT], self.publish),
@@ -706,11 +531,11 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
     finally:
         if job is not None:
             try:
-                job.close_trainer(finished=code == exits.OK)
+                job.trainers.close(finished=code == exits.OK)
             except Exception as exc:  # noqa: BLE001 - still stop the engine and release the claim
                 logger.error("could not stop the resident trainer: %s", exc)
             try:
-                job.close_engine()
+                job.engines.close()
             except Exception as exc:  # noqa: BLE001 - still release the claim
                 logger.error("could not stop the inference engine: %s", exc)
         try:

@@ -11,7 +11,7 @@ from coordination.layout import RunLayout
 from coordination.phases import PhaseId
 from rl.jobs import JobKind
 from rl.model_inputs import check_model_inputs
-from rl.run_cli import RunArgs
+from rl.args import RunArgs
 from rl.runconfig import RunConfig
 from rollout.rewards import RewardError, check_reward
 from rollout.split import sample_iteration, select_eval, split_plan

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -26,7 +25,7 @@ from click.core import ParameterSource
 
 from coordination.config import ConfigError, redact_argv
 from coordination.records import restrict_umask
-from rl.jobs import KINDS, JobKind
+from rl.args import RunArgs
 
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
@@ -34,47 +33,6 @@ USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
                 "  scripts/run.sh --data-path /shared/tasks --log-path /shared/runs/r1 --rl-phase both "
                 "--eval-interval 2 --num-nodes 2 --rank-weights 2,1 --master model.path=/shared/models/m\n\n"
                 "and the same command with --worker 1 instead of --master on node B.")
-
-
-@dataclass
-class RunArgs:
-    data_path: Path
-    log_path: Path
-    rl_phase: str
-    eval_interval: int | None
-    rollout_split: str | None
-    num_nodes: int
-    rank_weights: list[float]
-    rank: int
-    debug_mode: bool = False
-    resume: bool = False
-    dry_run: bool = False
-    configs: list[Path] = field(default_factory=list)
-    overrides: list[str] = field(default_factory=list)
-    command: str = ""
-    bench: dict | None = None  # --bench: the trainer's --bench-* options (rl_phase is "bench")
-
-    @property
-    def job(self) -> str:
-        if self.rl_phase == "rollout":
-            return "rollout" if self.rollout_split == "train-only" else "eval"
-        return self.rl_phase
-
-    @property
-    def kind(self) -> JobKind:
-        """What this job does (rl/jobs.py)."""
-        return KINDS[self.job]
-
-    @property
-    def is_master(self) -> bool:
-        return self.rank == 0
-
-    def config_overrides(self) -> list[str]:
-        """Flags that are config keys (so every node must agree on them), then the user's key=value."""
-        flags = [f"run.data_path={self.data_path}"]
-        if self.eval_interval is not None:
-            flags.append(f"run.eval_interval={self.eval_interval}")
-        return flags + list(self.overrides)
 
 
 def _fail(msg: str) -> None:

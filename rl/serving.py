@@ -1,5 +1,6 @@
 """The inference engine's lifecycle on one node (docs/design.md §6 phases 7 and 12): which policy it
-serves, when it is built, started, swapped to a new checkpoint, and stopped at the end."""
+serves, when it is built, started, paused for training, swapped to a new checkpoint, and stopped
+at the end."""
 from __future__ import annotations
 
 import logging
@@ -53,6 +54,27 @@ class EngineLifecycle:
         self.served = policy_iteration
         log.info("engine %s serves policy %d (%s%s)", self.engine.name, policy_iteration, weights,
                  f" + LoRA adapter {adapter}" if adapter else "")
+
+    def pause(self, *, new_weights: bool) -> None:
+        """Phase 7: free the devices for training the way inference.between_iterations says: stop the
+        engine (restart) or put it to sleep (sleep); reload keeps it serving. `new_weights`: the
+        next policy has other base weights, so a sleep need not keep the current ones."""
+        if self.engine is None or not self.engine.running:
+            return
+        if self.cfg.between_iterations == "restart":
+            self.engine.stop()
+        elif self.cfg.between_iterations == "sleep":
+            self.engine.sleep(new_weights=new_weights)
+
+    def resume(self, policy_iteration: int, path: Path) -> None:
+        """Phase 12: serve the new checkpoint: wake the engine phase 7 put to sleep, else `ensure`."""
+        if self.cfg.between_iterations == "sleep" and self.engine is not None and self.engine.running:
+            weights, adapter = serving_weights(path)
+            self.engine.wake(weights)
+            self.engine.set_adapter(adapter)
+            self.served = policy_iteration
+        else:
+            self.ensure(policy_iteration, path)
 
     def close(self) -> None:
         if self.engine is not None:

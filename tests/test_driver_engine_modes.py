@@ -9,7 +9,7 @@ import pytest
 from coordination.config import load
 from rl.driver import RLJob
 from coordination.layout import RunLayout
-from rl.run_cli import RunArgs
+from rl.args import RunArgs
 from rl.runconfig import RunConfig
 from coordination.runner import Step
 from coordination.phases import BY_NUMBER
@@ -69,13 +69,13 @@ def test_engine_between_iterations(monkeypatch, tmp_path, mode, expected):
     engine = RecordingEngine()
     monkeypatch.setattr("rollout.engines.make_engine", lambda *a, **k: engine)
     monkeypatch.setattr(RLJob, "policy", lambda self, it: (it, Path(f"/ckpt/iter-{it}")))
-    job.ensure_engine(0, Path("/ckpt/iter-0"))                      # phases 1/5 of iteration 1
+    job.engines.ensure(0, Path("/ckpt/iter-0"))                     # phases 1/5 of iteration 1
     step = Step(None, 1, BY_NUMBER[7], 1, {})
     job.stop_inference(step)                                        # phase 7
     job.restart_inference(Step(None, 1, BY_NUMBER[12], 1, {}))       # phase 12
-    job.ensure_engine(1, Path("/ckpt/iter-1"))                      # phase 1 of iteration 2: nothing more
+    job.engines.ensure(1, Path("/ckpt/iter-1"))                     # phase 1 of iteration 2: nothing more
     assert engine.calls == expected
-    assert job.served == 1
+    assert job.engines.served == 1
 
 
 class AdapterRecordingEngine(RecordingEngine):
@@ -125,10 +125,10 @@ def test_adapters_only_checkpoints_are_served_as_the_base_plus_their_adapter(mon
     engine = AdapterRecordingEngine()
     monkeypatch.setattr("rollout.engines.make_engine", lambda *a, **k: engine)
     monkeypatch.setattr(RLJob, "policy", lambda self, it: (it, folders[it]))
-    job.ensure_engine(0, base)
+    job.engines.ensure(0, base)
     for it in (1, 2):
         job.stop_inference(Step(None, it, BY_NUMBER[7], 1, {}))
         job.restart_inference(Step(None, it, BY_NUMBER[12], 1, {}))
-        job.ensure_engine(it, folders[it])                         # phase 1 of the next iteration: nothing more
+        job.engines.ensure(it, folders[it])                        # phase 1 of the next iteration: nothing more
     assert engine.calls == expected
-    assert job.served == 2 and engine.adapter_dir == folders[2] / "adapter"
+    assert job.engines.served == 2 and engine.adapter_dir == folders[2] / "adapter"

@@ -13,10 +13,11 @@ from coordination.config import load, to_dict
 from coordination.layout import RunLayout
 from coordination.phases import BY_NUMBER, PhaseId
 from coordination.runner import Step
+from rl.args import RunArgs
 from rl.driver import RLJob
 from rl.payloads import SyncGo
-from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
+from rl.training import TrainerLifecycle
 
 
 class FakeNode:
@@ -47,7 +48,7 @@ def _job(tmp_path, monkeypatch, *over: str, nodes: int = 2, rank: int = 0, gener
     cfg = load(RunConfig, [], ["model.path=/m", "run.max_iterations=3", "run.eval_interval=1", *over])
     args = RunArgs(Path("/d"), tmp_path, "both", 1, None, nodes, [1.0] * nodes, rank)
     job = RLJob(args, cfg, FakeNode(tmp_path, rank, generation))
-    monkeypatch.setattr(RLJob, "rendezvous", lambda self, it, attempt, early=False:
+    monkeypatch.setattr(TrainerLifecycle, "rendezvous", lambda self, it, attempt, early=False:
                         {"addr": "10.0.0.1", "port": 29400, "attempt": attempt,
                          "rdzv_id": f"run1-both-i{it}-{'early' if early else f'a{attempt}'}"})
     monkeypatch.setattr(RLJob, "already_trained", lambda self, it: False)
@@ -89,7 +90,7 @@ def test_no_early_launch_where_phase_10_does_not_run_or_the_trainer_is_not_resid
 
 
 def _sync_go(job: RLJob, iteration: int, arrival_generation: int) -> dict[int, Go]:
-    payload = SyncGo(trainer=job.rendezvous(iteration, 1, early=True)).to_dict()
+    payload = SyncGo(trainer=job.trainers.rendezvous(iteration, 1, early=True)).to_dict()
     arrivals = {str(r): {"ok": True, "error": None, "generation": arrival_generation} for r in (0, 1)}
     return {PhaseId.SYNC: Go("continue", "", payload, 1, arrivals)}
 
@@ -99,8 +100,8 @@ def test_a_node_launches_once_and_loads_early_only_without_a_gpu_the_engine_need
                                                                                     loads_early):
     from train.data import model_inputs
 
-    monkeypatch.setattr("rl.driver.ResidentTrainer", RecordingTrainer)
-    monkeypatch.setattr("rl.driver.gpu_visible", lambda: gpu)
+    monkeypatch.setattr("rl.training.ResidentTrainer", RecordingTrainer)
+    monkeypatch.setattr("rl.training.gpu_visible", lambda: gpu)
     job = _job(tmp_path, monkeypatch, rank=1)
     step = _step(job, 3, _sync_go(job, 3, arrival_generation=1))
     job.start_trainer_early(step)
@@ -117,14 +118,14 @@ def test_a_node_launches_once_and_loads_early_only_without_a_gpu_the_engine_need
 
 
 def test_an_update_job_loads_early_even_on_a_gpu(tmp_path, monkeypatch):
-    monkeypatch.setattr("rl.driver.gpu_visible", lambda: True)
+    monkeypatch.setattr("rl.training.gpu_visible", lambda: True)
     cfg = load(RunConfig, [], ["model.path=/m", "run.max_iterations=3"])
     job = RLJob(RunArgs(Path("/d"), tmp_path, "update", 1, None, 2, [1.0, 1.0], 0), cfg, FakeNode(tmp_path))
-    assert not job.kind.serves and job.trainer_may_load_early()
+    assert not job.kind.serves and job.trainers.may_load_early()
 
 
 def test_a_process_that_joined_after_the_go_launches_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("rl.driver.ResidentTrainer", RecordingTrainer)
+    monkeypatch.setattr("rl.training.ResidentTrainer", RecordingTrainer)
     job = _job(tmp_path, monkeypatch, rank=1, generation=2)
     made = len(RecordingTrainer.made)
     job.start_trainer_early(_step(job, 2, _sync_go(job, 2, arrival_generation=1)))

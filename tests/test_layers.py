@@ -51,3 +51,29 @@ def test_every_job_kind_runs_phases_of_the_table_in_order():
     for kind in KINDS.values():
         assert list(kind.phases) == sorted(set(kind.phases)), kind.name
         assert set(kind.phases) <= {p.number for p in PHASES}, kind.name
+
+
+def test_only_the_cli_imports_the_driver_at_run_time():
+    """The driver stands on every other module of rl/ and is entered only from the CLI, so nothing
+    it imports can import it back (imports for type checks alone never run)."""
+    importers = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] not in ALLOWED:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [f"{node.module}.{a.name}" if node.module == "rl" else node.module or "" for a in node.names]
+            else:
+                continue
+            if any(m == "rl.driver" or m.startswith("rl.driver.") for m in modules):
+                importers.append(str(rel))
+    assert importers == ["rl/run_cli.py"], importers

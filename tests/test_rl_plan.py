@@ -8,7 +8,7 @@ import pytest
 
 from coordination.config import load
 from rl.plan import make_plan
-from rl.run_cli import RunArgs
+from rl.args import RunArgs
 from rl.runconfig import RunConfig
 
 

@@ -1,0 +1,50 @@
+"""What one `scripts/run.sh` invocation asked for, once its flags are parsed and checked
+(rl/run_cli.py builds it). Its own module so that the plan, the dry run and the driver read the
+arguments without importing the CLI, and the CLI stays the one module that imports the driver."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.jobs import KINDS, JobKind
+
+
+@dataclass
+class RunArgs:
+    data_path: Path
+    log_path: Path
+    rl_phase: str
+    eval_interval: int | None
+    rollout_split: str | None
+    num_nodes: int
+    rank_weights: list[float]
+    rank: int
+    debug_mode: bool = False
+    resume: bool = False
+    dry_run: bool = False
+    configs: list[Path] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+    command: str = ""
+    bench: dict | None = None  # --bench: the trainer's --bench-* options (rl_phase is "bench")
+
+    @property
+    def job(self) -> str:
+        if self.rl_phase == "rollout":
+            return "rollout" if self.rollout_split == "train-only" else "eval"
+        return self.rl_phase
+
+    @property
+    def kind(self) -> JobKind:
+        """What this job does (rl/jobs.py)."""
+        return KINDS[self.job]
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def config_overrides(self) -> list[str]:
+        """Flags that are config keys (so every node must agree on them), then the user's key=value."""
+        flags = [f"run.data_path={self.data_path}"]
+        if self.eval_interval is not None:
+            flags.append(f"run.eval_interval={self.eval_interval}")
+        return flags + list(self.overrides)
