@@ -1,11 +1,11 @@
 """`scripts/run.sh ... --dry-run`: show what this node would do, touching nothing.
 
 Prints the resolved config, this rank's phase plan, the task split per rank for the next
-iteration, the exact inference-server and torchrun commands, the GPU memory plan and one
-checkpoint's disk use (the rendezvous port is chosen
-by the master at phase 9, so it is shown as a placeholder). Reads the log path if a run is
-there -- where the job stands (finished, or the iteration and phase this rank last reported) and
-how this command's config differs from the recorded one -- but never writes to it.
+iteration, the exact inference-server and torchrun commands (the rendezvous port is chosen by the
+master at phase 9, so it is shown as a placeholder), the GPU memory plan and one checkpoint's
+bytes on disk. Reads the log path if a run is there -- where the job stands (finished, or the
+iteration and phase this rank last reported) and how this command's config differs from the
+recorded one -- but never writes to it.
 
 It also makes the input checks a real start makes before it writes anything (RunPlan.check_inputs:
 task files, reward, API key) and exits 2 where that start would, after printing everything else, so
