@@ -43,5 +43,6 @@ def format_checkpoint_size(size: CheckpointSize) -> list[str]:
         rows.append(table_row("adapter/ (float32)", size.adapters))
     rows += [table_row("fp32 state: <param>::master in optimizer/", size.master),
              table_row("AdamW moments in optimizer/", size.moments),
-             table_row(f"train.keep_last={size.keep_last} checkpoints, the least retention keeps", size.keep_last * size.total)]
+             table_row(f"train.keep_last={size.keep_last} checkpoints, the least retention keeps",
+                       size.keep_last * size.total)]
     return rows

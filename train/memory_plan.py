@@ -35,8 +35,12 @@ from train.trainer_memory import TrainerMemory, rollout_residue, trainer_memory
 
 VLLM_RUNTIME_GIB = 2.0
 ENGINE_ASLEEP_GIB = 2.0
+
+
 @dataclass(frozen=True)
 class EngineMemory:
+    """Bytes per GPU of the vLLM server (module docstring)."""
+
     weights: float
     budget: float            # gpu_memory_utilization x the GPU
     kv_cache: float
@@ -61,6 +65,8 @@ def engine_memory(shape: ModelShape, inference: Any, gpu_bytes: float) -> Engine
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """One node's plan: its trainer and engine per GPU in the two phases, and a checkpoint's size."""
+
     gpu_bytes: float
     gpu_source: str
     shape: ModelShape
@@ -163,7 +169,8 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(table_row("weights (serving dtype, / tensor_parallel_size)", e.weights))
         lines.append(table_row(f"KV cache: ~{e.kv_tokens:,} tokens", e.kv_cache))
         lines.append(table_row("while rolling out: gpu_memory_utilization x GPU", e.budget))
-        lines.append(table_row(f"while training: between_iterations={e.mode}", e.during_training if plan.shared else 0.0))
+        lines.append(table_row(f"while training: between_iterations={e.mode}",
+                               e.during_training if plan.shared else 0.0))
         if e.kv_cache <= 0:
             lines.append("    DOES NOT FIT: no room for a KV cache; raise gpu_memory_utilization")
     of = f"of {plan.gpu_bytes / GIB:.1f} GiB"
