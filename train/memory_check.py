@@ -65,7 +65,7 @@ def _rollout_fixes(cfg: Any, plan: MemoryPlan) -> list[str]:
     if not cfg.train.offload_between_iterations and e.budget + residue <= gpu:
         out.append(f"train.offload_between_iterations=true (engine {e.budget / GIB:.1f} + trainer "
                    f"{TRAINER_RESIDUE_GIB:.1f} GiB, its state in host memory between iterations)")
-    if cfg.train.resident and e.budget <= gpu:
+    if cfg.train.resident:
         out.append("train.resident=false (the trainer ends after each iteration and loads its state again)")
     lower = _utilization(plan, plan.residue[1])
     return out + [lower] if lower else out
