@@ -1,10 +1,11 @@
 """`scripts/run.sh ... --dry-run`: show what this node would do, touching nothing.
 
 Prints the resolved config, this rank's phase plan, the task split per rank for the next
-iteration, and the exact inference-server and torchrun commands (the rendezvous port is chosen
-by the master at phase 9, so it is shown as a placeholder). Reads the log path if a run is
-there -- where the job stands (finished, or the iteration and phase this rank last reported) and
-how this command's config differs from the recorded one -- but never writes to it.
+iteration, the exact inference-server and torchrun commands (the rendezvous port is chosen by the
+master at phase 9, so it is shown as a placeholder), the GPU memory plan and one checkpoint's
+bytes on disk. Reads the log path if a run is there -- where the job stands (finished, or the
+iteration and phase this rank last reported) and how this command's config differs from the
+recorded one -- but never writes to it.
 
 It also makes the input checks a real start makes before it writes anything (RunPlan.check_inputs:
 task files, reward, API key) and exits 2 where that start would, after printing everything else, so
@@ -26,7 +27,9 @@ from coordination.records import RecordError, try_read
 from rl.plan import RUNS_WHEN, make_plan
 from rollout.engines.vllm_server import build_server
 from rollout.inference import resolve_dtype
-from train.memory_plan import engine_on_gpu, format_plan, make_plan as make_memory_plan
+from train.checkpoint_size import checkpoint_size, format_checkpoint_size
+from train.memory_plan import engine_on_gpu, format_plan, gpu_visible, make_plan as make_memory_plan
+from train.model_shape import ModelShape
 
 
 def _read(path: Path, kind: str, run_id: str | None = None):
@@ -156,24 +159,39 @@ def dry_run(args, cfg) -> int:
                  "across iterations; each iteration's plan reaches it as an order record, docs/design.md §9.6)")
         if args.bench is not None:
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
-    memory_plan(args, cfg)
+    if not memory_plan(args, cfg, kind) and kind.trains:
+        disk_use(cfg)
     if refused is not None:
         click.echo(f"\na start with this command would stop here (exit 2): {refused}", err=True)
         return 2
     return 0
 
 
-def memory_plan(args, cfg) -> None:
-    """The GPU memory plan (docs/design.md §10.5), when there is a GPU to plan for."""
+def memory_plan(args, cfg, kind) -> bool:
+    """The GPU memory plan (docs/design.md §10.5), when there is a GPU to plan for; whether it was
+    printed (it shows the checkpoint's disk use too)."""
     if not (engine_on_gpu(cfg, args.debug_mode) or cfg.train.gpu_memory_gib):
-        return
+        return False
     click.echo("\n## memory plan per GPU\n")
     try:
-        plan = make_memory_plan(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
+        plan = make_memory_plan(cfg, serves=kind.serves, trains=kind.trains, num_nodes=args.num_nodes,
+                                debug_mode=args.debug_mode)
     except ConfigError as exc:
         click.echo(f"  no plan: {exc}")
-        return
+        return False
     if plan is None:
         click.echo("  no GPU on this node: set train.gpu_memory_gib (e.g. 80) to see the plan")
-        return
+        return False
     click.echo(format_plan(plan))
+    return True
+
+
+def disk_use(cfg) -> None:
+    """One checkpoint's bytes on disk (docs/design.md §11.4), for a job that trains."""
+    click.echo("\n## checkpoint disk use\n")
+    try:
+        shape = ModelShape.from_model_dir(Path(cfg.model.path))
+    except ConfigError as exc:
+        click.echo(f"  not estimated: {exc}")
+        return
+    click.echo("\n".join(format_checkpoint_size(checkpoint_size(shape, cfg.train, on_gpu=gpu_visible()))))

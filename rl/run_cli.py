@@ -181,11 +181,12 @@ def main(**kw) -> None:
 
             check_launch(cfg.train, args.num_nodes)
         if args.bench is None:
-            from train.memory_plan import check_memory
+            from train.memory_check import check_memory
 
             # Before run_node writes anything: a trainer and an engine that cannot share the GPUs
-            # would otherwise fail with an out-of-memory error at the first training step.
-            check_memory(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
+            # would otherwise fail with an out-of-memory error at the first training step or wake.
+            check_memory(cfg, serves=args.kind.serves, trains=args.kind.trains, num_nodes=args.num_nodes,
+                         debug_mode=args.debug_mode)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     from rl.driver import run_node

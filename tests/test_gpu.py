@@ -133,7 +133,8 @@ def model_200m(tmp_path_factory) -> Path:
 def test_the_memory_plan_bounds_the_peak_of_a_training_step_of_a_200m_model(model_200m, tmp_path):
     from tests.test_train_sharded_io import _config
     from tests.test_train_levers_dist import _rows
-    from train.memory_plan import GIB, TRAINER_OVERHEAD_GIB, ModelShape, trainer_memory
+    from train.model_shape import GIB, ModelShape
+    from train.trainer_memory import TRAINER_OVERHEAD_GIB, trainer_memory
 
     shape = ModelShape.from_model_dir(model_200m)
     tokens = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in _rows(shape.vocab))

@@ -1,0 +1,100 @@
+"""The sizes of a Llama-style decoder that memory and disk use depend on, read from the model's
+`config.json` alone (no weights): the memory plan (train/memory_plan.py) and the checkpoint bytes
+of the dry run build on them."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordination.config import ConfigError
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def table_row(name: str, nbytes: float, indent: int = 4) -> str:
+    """One row of the plan's tables: the name, then GiB right-aligned at column 88."""
+    return f"{' ' * indent}{name:<{82 - indent}} {nbytes / GIB:7.2f}"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder that memory depends on (read from config.json)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    attention_bias: bool = False
+
+    @classmethod
+    def from_dict(cls, c: dict[str, Any]) -> "ModelShape":
+        c = c.get("text_config") or c  # multimodal configs nest the language model's
+        try:
+            h, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+            return cls(hidden=h, layers=int(c["num_hidden_layers"]), heads=heads,
+                       kv_heads=int(c.get("num_key_value_heads") or heads),
+                       head_dim=int(c.get("head_dim") or h // heads), intermediate=int(c["intermediate_size"]),
+                       vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
+                       attention_bias=bool(c.get("attention_bias", False)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"the model's config.json lacks a decoder size the memory plan needs ({exc}); it reads "
+                              f"hidden_size, num_hidden_layers, num_attention_heads, intermediate_size and "
+                              f"vocab_size") from None
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> "ModelShape":
+        file = Path(path) / "config.json"
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read {file} for the memory plan: {exc}") from None
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one block, by its Hugging Face name."""
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def block_params(self) -> int:
+        bias = self.q_width + 2 * self.kv_width if self.attention_bias else 0
+        return sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden + bias
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, LM head (unless tied to the embedding) and final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.root_params
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        shapes = self.linear_shapes()
+        per_block = sum(rank * (a + b) for name, (a, b) in shapes.items() if name in targets)
+        head = rank * (self.hidden + self.vocab) if "lm_head" in targets else 0
+        return self.layers * per_block + head
+
+    def block_activation_bytes(self, d: int) -> int:
+        """A: bytes one block keeps for backward per token without checkpointing (module docstring)."""
+        h = self.hidden
+        return 2 * (4 + d) * h + d * (2 * h + 2 * self.q_width + 2 * self.kv_width + 4 * self.intermediate) \
+            + 4 * self.heads
+
+    def kv_cache_bytes_per_token(self, d: int) -> int:
+        return 2 * self.layers * self.kv_width * d
