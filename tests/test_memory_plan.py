@@ -35,14 +35,14 @@ LLAMA_70B = {**LLAMA_7B, "hidden_size": 8192, "num_hidden_layers": 80, "num_atte
 #   P = 32 x block + 2 V h + 4096 = 6,738,415,616
 #   held: params 4P/16 = 1.569, gathered 2 x (2 V h + 4096 + 2 block) = 1.242, grads 4P/16 = 1.569,
 #   AdamW 8P/16 = 3.138, kept activations (32 x 2 x 4096 + 8 x 4096) x 32768 = 9.000, fixed 3
-#   head's backward: chunks 3 x 4 x 512 x 32000 + 8 x 32768 = 0.183, weight gradient 10 V h = 1.221
+#   head's backward: chunks 3 x 4 x 512 x 32000 + 8 x 32768 = 0.183, weight gradient 6 V h = 0.732
 #   block recomputed: (20h + 4kv + 8i + 4 x 32) x 32768 = 186,496 x 32768 = 5.692,
 #   unsharded gradient 10 block = 1.885, head's bf16 gradient 2 V h = 0.244 -> 7.821 (the larger)
 #   peak 19.518 + 7.821 = 27.34; + 2 asleep = 29.34; rolling out 0.85 x 80 + 1.5 = 69.50
 #   vLLM weights 2P = 12.551, KV cache 68 - 12.551 - 2 = 53.449
 #   disk: weights 2P = 12.551, ::master 4P = 25.103, moments 8P = 50.205
 WORKED_7B = {"parameters": 1.569, "gathered": 1.242, "gradients": 1.569, "AdamW": 3.138, "activations kept": 9.000,
-             "LM head: chunks": 0.183, "LM head weight": 1.221, "activations of the block": 5.692,
+             "LM head: chunks": 0.183, "LM head weight": 0.732, "activations of the block": 5.692,
              "its unsharded": 1.885, "LM head's": 0.244, "peak": 27.34, "training": 29.34, "rolling out": 69.50,
              "weights": 12.551, "kv_cache": 53.449, "disk weights": 12.551, "disk master": 25.103,
              "disk moments": 50.205}
@@ -51,12 +51,12 @@ WORKED_7B = {"parameters": 1.569, "gathered": 1.242, "gradients": 1.569, "AdamW"
 #   block = 855,654,400; V h = 1,050,673,152; P = 80 x block + 2 V h + 8192 = 70,553,706,496
 #   held: shards, moments on the host; gathered 2 x (2 V h + 8192 + 2 block) = 7.102;
 #   kept (80 x 2 x 8192 + 8 x 8192) x 32768 = 42.000; fixed 3
-#   head's backward: chunks (auto: 128 tokens) 0.184, weight gradient 10 V h = 9.785
+#   head's backward: chunks (auto: 128 tokens) 0.184, weight gradient 6 V h = 5.871
 #   block recomputed: 397,568 x 32768 = 12.133, unsharded gradient 10 block = 7.969, bf16 head 1.957
 #   peak 52.102 + 22.059 = 74.16 (the old plan: 67.6), + 2 asleep = 76.16: fits.
 #   kl_coef > 0 adds the reference's root, 2 x (2 V h + 8192) = 3.914: 80.07 > 80, refused.
 #   vLLM weights 2P/8 = 16.427, KV cache 68 - 16.427 - 2 = 49.573
-WORKED_70B = {"gathered": 7.102, "activations kept": 42.000, "LM head: chunks": 0.184, "LM head weight": 9.785,
+WORKED_70B = {"gathered": 7.102, "activations kept": 42.000, "LM head: chunks": 0.184, "LM head weight": 5.871,
               "activations of the block": 12.133, "its unsharded": 7.969, "LM head's": 1.957, "peak": 74.16,
               "training": 76.16, "rolling out": 69.50, "weights": 16.427, "kv_cache": 49.573,
               "disk weights": 131.42, "disk master": 262.83, "disk moments": 525.67}

@@ -92,7 +92,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[start:end] = (grad @ w).to(hidden.dtype)
                 if grad_weight is not None:
-                    grad_weight += (grad.t() @ h).float()
+                    # In place with the cast on the fly: no float32 copy of the [V, h] product.
+                    grad_weight.add_(grad.t() @ h)
                 del grad
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

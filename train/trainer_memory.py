@@ -30,7 +30,7 @@ Backward begins at the LM head and then recomputes the blocks from the last; its
 is one of two:
 - the LM head's backward: the chunks (3 float32 [chunk, V]: logits, softmax, gradient; disabled:
   (d + 12) V per token) and the head's weight gradient, which the chunked head sums in float32
-  (4 V h) from one chunk's d-byte product and its float32 copy ((d + 4) V h), then casts to d bytes;
+  (4 V h) adding one chunk's d-byte product in place (d V h), then casts to d bytes: (4 + d) V h;
 - a block recomputed: its A x T (with any checkpointing or offloading), its unsharded gradient on
   the way to the reduce-scatter (d bytes as computed, the float32 cast, the float32 reduce-scatter
   input: (d + 8) x block), and the LM head's d-byte gradient, which waits for the root's
@@ -161,7 +161,7 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
         head_grad = d * vh
     else:
         head = [(f"LM head: chunks of {chunk} tokens", 3 * 4 * min(chunk, tokens) * shape.vocab + 8 * tokens)]
-        head_grad = (4 + d + cast) * vh
+        head_grad = (4 + d) * vh
     if head_trained:
         head.append(("LM head weight gradient: fp32 sum + a chunk's product" if chunk else
                      f"LM head weight gradient: {d}-byte", head_grad))
