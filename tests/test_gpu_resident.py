@@ -1,5 +1,6 @@
-"""The gpu tier's end-to-end runs: one node, one GPU, the resident trainer in bfloat16 beside the
-transformers engine on the same device (scripts/test.sh --gpu; skipped without CUDA).
+"""The gpu tier's end-to-end runs: one node, one GPU, the resident trainer of the ~200M model in
+bfloat16 beside the transformers engine on the same device (scripts/test.sh --gpu; skipped
+without CUDA).
 
 What only the GPU shows about the resident trainer's contract (docs/design.md §9.6):
 - the order "trainer released its device memory -> engine swaps" with CUDA's caching allocator:
@@ -7,7 +8,9 @@ What only the GPU shows about the resident trainer's contract (docs/design.md §
   overlapping it, and what the trainer still holds after its release is measured two ways: its own
   allocator (`device_memory_mb_after_release`, reserved bytes: tensors plus cache) and, from
   outside, the process's device memory as `nvidia-smi` lists it (the CUDA context and libraries
-  that no `empty_cache` frees: the residue the engine must fit beside);
+  that no `empty_cache` frees: the residue the engine must fit beside), against what the process
+  holds while it trains (sampled during a held offload: weights, gradients and AdamW state, 16
+  bytes per parameter at least);
 - the optimizer state and the float32 model state written in the background (dcp.async_save from
   CUDA tensors) are complete and a trainer killed with kill -9 after iteration 1 continues from
   them: its run ends with the uninterrupted run's progress below bf16 resolution.
@@ -88,9 +91,15 @@ class DeviceSampler:
         self.thread.join(15)
 
 
-def _run(procs, assets, log: Path, name: str, *, env: dict | None = None,
+@pytest.fixture(scope="module")
+def model_200m(tmp_path_factory) -> Path:
+    from train.bench_load_publish import bench_model
+
+    return bench_model(tmp_path_factory.mktemp("gpu-resident-m200") / "model")
+
+
+def _run(procs, data: Path, model: Path, log: Path, name: str, *, env: dict | None = None,
          kill_trainer_after: int | None = None) -> RunLayout:
-    data, model = assets
     procs.start(name, node_cmd(data, model, log, *ONE_NODE, "--master", overrides=RUN), **({"env": env} if env else {}))
     lay = RunLayout(log)
     if kill_trainer_after is not None:
@@ -113,16 +122,19 @@ def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_one_gpu_resident_trainer_frees_the_device_before_the_swap_and_a_relaunch_keeps_its_float32_state(
-        procs, tmp_path, assets):
+        procs, tmp_path, assets, model_200m):
     from tests.procs import env
+    from train.model_shape import ModelShape
 
+    data = assets[0]
     runs = {}
     try:
         log = fresh_log(tmp_path, "held")
         lay = RunLayout(log)
         with DeviceSampler(lay) as sampler:
-            runs["held"] = _run(procs, assets, log, "held", env=env(BATON_TEST_HOLD_OFFLOAD=f"2:{HELD_OFFLOAD_S}"))
-        runs["relaunched"] = _run(procs, assets, fresh_log(tmp_path, "relaunched"), "relaunched",
+            runs["held"] = _run(procs, data, model_200m, log, "held",
+                                env=env(BATON_TEST_HOLD_OFFLOAD=f"2:{HELD_OFFLOAD_S}"))
+        runs["relaunched"] = _run(procs, data, model_200m, fresh_log(tmp_path, "relaunched"), "relaunched",
                                   kill_trainer_after=1)
     finally:
         time.sleep(1.5)  # trainers whose driver is gone check once a second
@@ -143,6 +155,8 @@ def test_one_gpu_resident_trainer_frees_the_device_before_the_swap_and_a_relaunc
     assert released, ("nvidia-smi listed no device memory for the trainer process while it was offloaded "
                       f"(samples: {sampler.samples[:20]})")
     assert max(released) <= RESIDUE_LIMIT_MIB, released
+    state_mib = 16 * ModelShape.from_model_dir(model_200m).params / 2**20
+    assert training and max(training) - max(released) >= state_mib, (max(training, default=0), released, state_mib)
 
     final = {name: _float32_state(lay.checkpoint(3)) for name, lay in runs.items()}
     assert set(final["held"]) == set(final["relaunched"])
