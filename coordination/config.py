@@ -113,11 +113,13 @@ def _coerce_value(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{key} must be an integer (got {value!r})")
+        raise ConfigError(f"{key} must be an integer (got {value!r}); write it in digits, e.g. {key}=1000 or "
+                          f"{key}=1_000")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{key} must be a number (got {value!r})")
+        raise ConfigError(f"{key} must be a number (got {value!r}); write it as e.g. {key}=0.0002, {key}=2e-4 "
+                          f"or {key}=3E-4")
     if tp is str:
         if isinstance(value, str):
             return value
