@@ -74,12 +74,13 @@ class RunArgs:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def config_overrides(self) -> list[str]:
-        """Flags that are config keys (so every node must agree on them), then the user's key=value."""
-        flags = [f"run.data_path={self.data_path}"]
+    def config_flags(self) -> dict:
+        """The flags that are config keys (so every node must agree on them), as typed; the user's
+        key=value overrides come after them."""
+        flags: dict = {"run.data_path": str(self.data_path)}
         if self.eval_interval is not None:
-            flags.append(f"run.eval_interval={self.eval_interval}")
-        return flags + list(self.overrides)
+            flags["run.eval_interval"] = self.eval_interval
+        return flags
 
 
 def _bench(bench: dict) -> tuple[dict | None, tuple[str, ...]]:
@@ -154,7 +155,7 @@ def main(**kw) -> None:
     from rl.validate.run import run_failures
 
     try:
-        cfg = load_run_config(args.configs, args.config_overrides())
+        cfg = load_run_config(args.configs, args.overrides, args.config_flags())
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     # Every rule of the composed config, before anything is written (rl/validate/run.py).

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from coordination.config import CoordinationConfig, load, non_negative, option, positive, section
+from coordination.config import ConfigError, CoordinationConfig, load, non_negative, option, positive, section
 from rollout.config import RolloutConfig, TasksConfig
 from rollout.inference import InferenceConfig, resolve_between_iterations
 from train.config import TrainConfig
@@ -33,7 +33,9 @@ class RunSection:
     seed: int = option(0, "seed of everything not seeded in its own section")
 
     def __post_init__(self) -> None:
-        non_negative(self.eval_interval, "eval_interval")
+        if self.eval_interval < 0:  # the one check of --eval-interval too: the flag sets this key
+            raise ConfigError(f"eval_interval must be 0 or a positive number of iterations (got {self.eval_interval});"
+                              f" give --eval-interval K (or run.eval_interval) with K >= 0, 0 turns evaluation off")
         positive(self.max_iterations, "max_iterations")
         non_negative(self.max_staleness, "max_staleness")
 
@@ -81,10 +83,11 @@ class RunConfig:
             self.inference, resident_trainer=self.train.resident)
 
 
-def load_run_config(yaml_files: list[Path], overrides: list[str]) -> RunConfig:
-    """defaults <- configs/default.yaml <- each --config file <- key=value overrides."""
+def load_run_config(yaml_files: list[Path], overrides: list[str], flags: dict | None = None) -> RunConfig:
+    """defaults <- configs/default.yaml <- each --config file <- the flags that are config keys
+    (typed: `{"run.eval_interval": 2}`) <- key=value overrides."""
     files = [DEFAULT_YAML] + [Path(f) for f in yaml_files]
-    return load(RunConfig, files, overrides)
+    return load(RunConfig, files, overrides, flags)
 
 
 def default_yaml() -> str:

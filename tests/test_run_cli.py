@@ -45,7 +45,8 @@ MISUSE = [
      "--worker rank must be between 1 and 1 for 2 nodes (got 5)"),
     (BASE + ["--rl-phase", "update", "--frobnicate"], {}, "No such option '--frobnicate'"),
     (BASE + ["--rl-phase", "update", "train.lr"], {}, "unexpected argument 'train.lr'"),
-    (BASE + ["--rl-phase", "update", "--eval-interval", "-1"], {}, "--eval-interval must be 0 or a positive"),
+    (BASE + ["--rl-phase", "update", "--eval-interval", "-1"], {},
+     "run.eval_interval must be 0 or a positive number of iterations (got -1); give --eval-interval K"),
 ]
 
 

@@ -32,7 +32,6 @@ FLAG_CASES = [  # (flags, rule, what its message must say)
     (dict(bench=True, rl_phase=None, eval_interval=2), "bench-takes-no-rl-flags", "takes no --eval-interval; drop it"),
     (dict(rl_phase=None), "rl-phase-given", "--rl-phase rollout|update|both is required (or --bench"),
     (dict(rl_phase="both"), "eval-interval-with-both", "--eval-interval K is required with --rl-phase both"),
-    (dict(eval_interval=-3), "eval-interval-not-negative", "must be 0 or a positive number of iterations (got -3)"),
     (dict(rl_phase="rollout"), "rollout-split-with-rollout", "--rollout-split train-only|eval-only is required"),
     (dict(rollout_split="eval-only"), "rollout-split-with-rollout", "only applies to --rl-phase rollout (got --rl-phase update)"),
     (dict(num_nodes=0), "num-nodes-positive", "--num-nodes must be at least 1 (got 0)"),
@@ -99,6 +98,22 @@ def test_an_override_that_is_not_a_number_is_refused_with_the_value_and_how_to_w
                              "or train.lr=3E-4"
 
 
+def test_flags_that_are_config_keys_arrive_typed_and_are_checked_once_with_the_config(tmp_path):
+    # --data-path is a path, never YAML: `yes` and `a: b` were read as a boolean and a mapping.
+    for path in ("yes", "a: b", "1e5"):
+        assert load_run_config([], [], {"run.data_path": path}).run.data_path == path
+    cfg = load_run_config([], ["run.eval_interval=4"], {"run.eval_interval": 2})
+    assert cfg.run.eval_interval == 4                     # the user's key=value still comes last
+    messages = []
+    for flags_, overrides in (({"run.eval_interval": -1}, []), ({}, ["run.eval_interval=-1"])):
+        with pytest.raises(ConfigError) as err:
+            load_run_config([], overrides, flags_)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] == ("run.eval_interval must be 0 or a positive number of iterations (got -1); "
+                                          "give --eval-interval K (or run.eval_interval) with K >= 0, 0 turns "
+                                          "evaluation off")
+
+
 # -- rules of the composed config ----------------------------------------------------------------
 
 def data_folder(root: Path, n_train: int = 64, n_eval: int = 4) -> Path:
@@ -118,7 +133,7 @@ def inputs(tmp_path: Path, *overrides: str, phase: str = "both", num_nodes: int 
     split = "train-only" if phase == "rollout" else None
     args = RunArgs(data, tmp_path / "run", "bench" if bench is not None else phase, 0 if phase == "both" else None,
                    split, num_nodes, [1.0] * num_nodes, 0, overrides=list(overrides), bench=bench)
-    cfg = load_run_config(list(configs), args.config_overrides())
+    cfg = load_run_config(list(configs), args.overrides, args.config_flags())
     return RunInputs(args, cfg)
 
 

@@ -57,12 +57,6 @@ def eval_interval_with_both(f: Flags) -> str | None:
     return None
 
 
-def eval_interval_not_negative(f: Flags) -> str | None:
-    if f.eval_interval is not None and f.eval_interval < 0:
-        return f"--eval-interval must be 0 or a positive number of iterations (got {f.eval_interval})"
-    return None
-
-
 def rollout_split_with_rollout(f: Flags) -> str | None:
     if f.rl_phase == "rollout" and f.rollout_split is None:
         return "--rollout-split train-only|eval-only is required with --rl-phase rollout"
@@ -146,7 +140,6 @@ FLAG_RULES: tuple[Rule, ...] = (
     Rule("bench-takes-no-rl-flags", bench_takes_no_rl_flags),
     Rule("rl-phase-given", rl_phase_given),
     Rule("eval-interval-with-both", eval_interval_with_both),
-    Rule("eval-interval-not-negative", eval_interval_not_negative),
     Rule("rollout-split-with-rollout", rollout_split_with_rollout),
     Rule("num-nodes-positive", num_nodes_positive),
     Rule("rank-weights", rank_weights, needs=("num-nodes-positive",)),
