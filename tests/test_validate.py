@@ -2,6 +2,7 @@
 downstream of a failed one stays quiet, and a dry run lists every failure and writes nothing."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -173,8 +174,6 @@ def test_launch_rules_name_the_setting_and_the_fix(tmp_path):
     assert "train.dp_replicate=2 does not divide the number of trainer processes (3" in says and "[1, 3]" in says
     assert rule_says(inputs(tmp_path, "train.dp_replicate=2", num_nodes=3, phase="rollout"),
                      "trainer-world-size") is None   # a rollout job launches no trainer
-    import importlib.util
-
     says = rule_says(inputs(tmp_path, "train.attn=flash_attention_2"), "flash-attn-installed")
     if importlib.util.find_spec("flash_attn") is None:
         assert "pip install flash-attn" in says and "train.attn=sdpa" in says
@@ -240,3 +239,19 @@ def test_dry_run_with_several_bad_inputs_prints_every_failing_rule_exits_2_and_w
     assert all(w in res.stderr for w in wanted), res.stderr
     assert "## commands this node would run" in res.stdout
     assert not log.exists() and sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_start_with_several_bad_inputs_refuses_with_every_failing_rule_and_writes_nothing(tmp_path):
+    data = data_folder(tmp_path)
+    log = tmp_path / "run"
+    cmd = [str(ROOT / "scripts/run.sh"), "--data-path", str(data), "--log-path", str(log), "--rl-phase", "update",
+           "--num-nodes", "3", "--rank-weights", "1,1,1", "--master", "model.path=/nowhere", "train.dp_replicate=2",
+           "train.attn=flash_attention_2"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
+    expected = ["train.dp_replicate=2 does not divide"] + \
+        (["train.attn=flash_attention_2 needs the flash-attn package"] if importlib.util.find_spec("flash_attn") is None
+         else [])
+    assert len(errors) == len(expected) and all(e in line for e, line in zip(expected, errors)), res.stderr
+    assert not log.exists()

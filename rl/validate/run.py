@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from coordination.config import ConfigError
+from rl.plan import make_plan
 from rl.validate import Failure, Rule, by_message, failures
 
 
@@ -15,8 +16,6 @@ class RunInputs:
     task files are read once and shared by the rules that need them."""
 
     def __init__(self, args: Any, cfg: Any):
-        from rl.plan import make_plan  # rl.plan imports rl.run_cli, which imports this module
-
         self.args, self.cfg = args, cfg
         self.plan = make_plan(args, cfg)
         kind = args.kind
@@ -25,6 +24,7 @@ class RunInputs:
 
     @property
     def serves_from_model(self) -> bool:
+        """Both and rollout jobs start their engine on model.path (an update job only names it)."""
         return self.args.rl_phase in ("both", "rollout")
 
     def pools(self) -> dict[str, tuple[list, Path]]:
