@@ -255,3 +255,12 @@ def test_a_start_with_several_bad_inputs_refuses_with_every_failing_rule_and_wri
          else [])
     assert len(errors) == len(expected) and all(e in line for e, line in zip(expected, errors)), res.stderr
     assert not log.exists()
+
+
+def test_the_hand_run_rollout_command_reads_rank_weights_by_the_same_rule(tmp_path):
+    cmd = [str(ROOT / ".venv/bin/python"), "-m", "rollout.worker", "--log-path", str(tmp_path), "--model-dir",
+           str(tmp_path), "--tasks", str(tmp_path / "t.jsonl"), "--run-id", "r", "--rank-weights", "1,-2"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "--rank-weights '1,-2': rank weight 1 is -2.0; weights must be finite numbers >= 0" in res.stderr
+    assert list(tmp_path.iterdir()) == []
