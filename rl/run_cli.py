@@ -135,7 +135,8 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
               help="with --rl-phase rollout: roll out train tasks or evaluate")
 @click.option("--num-nodes", type=int, default=1, show_default=True, help="nodes in this job")
 @click.option("--rank-weights", default=None, metavar="W0,W1,...",
-              help="share of the rollout work per node (required when --num-nodes > 1), e.g. 2,1")
+              help="share of the rollout work per node (required when --num-nodes > 1; 0 = no rollout "
+                   "tasks), e.g. 2,1")
 @click.option("--master", is_flag=True, help="this node is rank 0 (or set RANK/NODE_RANK=0)")
 @click.option("--worker", type=int, default=None, metavar="R", help="this node is worker R (1..N-1)")
 @click.option("--debug-mode", is_flag=True, help="use an inference server you run yourself (inference.vllm.debug_url)")
