@@ -28,30 +28,35 @@ def flags(**kw) -> Flags:
     return Flags(**{**base, **kw})
 
 
+W2, W3 = dict(num_nodes=2, rank_weights="1,1"), dict(num_nodes=3, rank_weights="1,1,1")
 FLAG_CASES = [  # (flags, rule, what its message must say)
     (dict(bench_given=("bench_steps",)), "bench-options-need-bench", "--bench-steps only applies with --bench"),
-    (dict(bench=True, rl_phase=None, eval_interval=2), "bench-takes-no-rl-flags", "takes no --eval-interval; drop it"),
+    (dict(bench=True, rl_phase=None, eval_interval=2), "bench-takes-no-rl-flags",
+     "takes no --eval-interval; drop it"),
     (dict(rl_phase=None), "rl-phase-given", "--rl-phase rollout|update|both is required (or --bench"),
     (dict(rl_phase="both"), "eval-interval-with-both", "--eval-interval K is required with --rl-phase both"),
     (dict(rl_phase="rollout"), "rollout-split-with-rollout", "--rollout-split train-only|eval-only is required"),
-    (dict(rollout_split="eval-only"), "rollout-split-with-rollout", "only applies to --rl-phase rollout (got --rl-phase update)"),
+    (dict(rollout_split="eval-only"), "rollout-split-with-rollout",
+     "only applies to --rl-phase rollout (got --rl-phase update)"),
     (dict(num_nodes=0), "num-nodes-positive", "--num-nodes must be at least 1 (got 0)"),
-    (dict(num_nodes=2, master=True), "rank-weights", "--rank-weights is required with --num-nodes 2: one weight per "
-                                                     "node, e.g. --rank-weights 1,1"),
-    (dict(num_nodes=2, master=True, rank_weights="2,x"), "rank-weights", "'x' is not a number; give one weight per node"),
-    (dict(num_nodes=2, master=True, rank_weights="1,inf"), "rank-weights", "rank weight 1 is inf; weights must be finite"),
-    (dict(num_nodes=3, master=True, rank_weights="1,1"), "rank-weights", "has 2 weight(s) but --num-nodes is 3; give "
-                                                                         "exactly one per node"),
-    (dict(num_nodes=2, rank_weights="1,1"), "rank-known", "say which node this is: --master on one node and --worker R (1..1)"),
-    (dict(num_nodes=2, rank_weights="1,1", master=True, worker=1), "rank-known", "--master and --worker are exclusive"),
-    (dict(num_nodes=2, rank_weights="1,1", worker=0), "rank-known", "--worker 0 is the master: use --master"),
-    (dict(num_nodes=3, rank_weights="1,1,1", worker=3), "rank-known", "between 1 and 2 for 3 nodes (got 3)"),
-    (dict(num_nodes=2, rank_weights="1,1", environ={"RANK": "x"}), "rank-known", "RANK='x' in the environment is not "
-                                                                                 "a node rank; unset it or give --worker R"),
-    (dict(num_nodes=2, rank_weights="1,1", worker=1, environ={"NODE_RANK": "0"}), "rank-known",
+    (dict(num_nodes=2, master=True), "rank-weights",
+     "--rank-weights is required with --num-nodes 2: one weight per node, e.g. --rank-weights 1,1"),
+    (dict(num_nodes=2, master=True, rank_weights="2,x"), "rank-weights",
+     "'x' is not a number; give one weight per node"),
+    (dict(num_nodes=2, master=True, rank_weights="1,inf"), "rank-weights",
+     "rank weight 1 is inf; weights must be finite"),
+    (dict(num_nodes=3, master=True, rank_weights="1,1"), "rank-weights",
+     "has 2 weight(s) but --num-nodes is 3; give exactly one per node"),
+    (W2, "rank-known", "say which node this is: --master on one node and --worker R (1..1)"),
+    (dict(W2, master=True, worker=1), "rank-known", "--master and --worker are exclusive"),
+    (dict(W2, worker=0), "rank-known", "--worker 0 is the master: use --master"),
+    (dict(W3, worker=3), "rank-known", "between 1 and 2 for 3 nodes (got 3)"),
+    (dict(W2, environ={"RANK": "x"}), "rank-known",
+     "RANK='x' in the environment is not a node rank; unset it or give --worker R"),
+    (dict(W2, worker=1, environ={"NODE_RANK": "0"}), "rank-known",
      "the command line says rank 1 but RANK/NODE_RANK says 0; drop one of them"),
-    (dict(overrides=("train.lr",)), "overrides-are-key-value", "unexpected argument 'train.lr': config overrides are "
-                                                               "key=value, e.g. train.lr=1e-4"),
+    (dict(overrides=("train.lr",)), "overrides-are-key-value",
+     "unexpected argument 'train.lr': config overrides are key=value, e.g. train.lr=1e-4"),
 ]
 
 

@@ -96,7 +96,8 @@ def _node_rank(f: Flags) -> tuple[int | None, str | None]:
             try:
                 env_rank = int(f.environ[var])
             except ValueError:
-                return None, f"{var}={f.environ[var]!r} in the environment is not a node rank; unset it or give --worker R"
+                return None, (f"{var}={f.environ[var]!r} in the environment is not a node rank; unset it or give "
+                              f"--worker R")
             break
     if f.master and f.worker is not None:
         return None, "--master and --worker are exclusive: rank 0 is the master, give one of them"

@@ -42,7 +42,8 @@ def bench_model_is_folder(r: RunInputs) -> str | None:
 
 def model_path_given(r: RunInputs) -> str | None:
     if r.args.bench is None and not r.cfg.model.path:
-        return "model.path is empty: give the starting checkpoint, e.g. model.path=/models/qwen or in a --config YAML file"
+        return ("model.path is empty: give the starting checkpoint, e.g. model.path=/models/qwen or in a --config "
+                "YAML file")
     return None
 
 
@@ -79,7 +80,8 @@ def trainer_world_size(r: RunInputs) -> str | None:
 
 
 def flash_attn_installed(r: RunInputs) -> str | None:
-    if r.args.kind.trains and r.cfg.train.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    train = r.cfg.train
+    if r.args.kind.trains and train.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return ("train.attn=flash_attention_2 needs the flash-attn package, which this node's Python does not have: "
                 "pip install flash-attn --no-build-isolation on every GPU node, or set train.attn=sdpa")
     return None
