@@ -7,8 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from coordination.config import ConfigError
+from rl.model_inputs import check_model_inputs
 from rl.plan import make_plan
 from rl.validate import Failure, Rule, by_message, failures
+from rollout.inference import VLLM_LORA_RANKS
+from rollout.rewards import RewardError, check_reward
+from rollout.tasks import TaskFileError
+from train.config import check_world_size
+from train.memory_plan import check_memory
 
 
 class RunInputs:
@@ -57,8 +63,6 @@ def model_path_exists(r: RunInputs) -> str | None:
 def lora_rank_served(r: RunInputs) -> str | None:
     """Checked now, not when the first adapters-only checkpoint is served after a whole iteration.
     A user's own server (debug_url) has its own LoRA settings."""
-    from rollout.inference import VLLM_LORA_RANKS
-
     lora, inf = r.cfg.train.lora, r.cfg.inference
     if not (r.serves_from_model and lora.rank and lora.publish == "adapters" and inf.engine == "vllm"
             and not inf.vllm.debug_url and inf.vllm.max_lora_rank < lora.rank):
@@ -71,8 +75,6 @@ def lora_rank_served(r: RunInputs) -> str | None:
 
 def trainer_world_size(r: RunInputs) -> str | None:
     """HSDP's dp_replicate must divide the trainer processes: found at start, not at phase 10."""
-    from train.config import check_world_size
-
     train = r.cfg.train
     if not (r.args.kind.trains and train.backend == "fsdp"):
         return None
@@ -89,8 +91,6 @@ def flash_attn_installed(r: RunInputs) -> str | None:
 
 def task_files(r: RunInputs) -> str | None:
     """Every task file this job reads parses: all lines, UTF-8."""
-    from rollout.tasks import TaskFileError
-
     for split in r.splits:
         try:
             r.plan.pool(split)
@@ -101,8 +101,6 @@ def task_files(r: RunInputs) -> str | None:
 
 def reward_scores(r: RunInputs) -> str | None:
     """The reward loads and returns a finite number on a sample task within tasks.reward_timeout."""
-    from rollout.rewards import RewardError, check_reward
-
     if not r.splits:
         return None
     try:
@@ -132,8 +130,6 @@ def secrets_resolve(r: RunInputs) -> str | None:
 
 def model_fits_inputs(r: RunInputs) -> str | None:
     """rl/model_inputs.py: config.json loads, max_new_tokens leaves room, every prompt fits."""
-    from rl.model_inputs import check_model_inputs
-
     if not r.args.kind.serves:
         return None
     return by_message(lambda: check_model_inputs(r.cfg, r.pools()))
@@ -141,8 +137,6 @@ def model_fits_inputs(r: RunInputs) -> str | None:
 
 def memory_fits(r: RunInputs) -> str | None:
     """A trainer and an engine that share the GPUs and do not fit would fail at the first step."""
-    from train.memory_plan import check_memory
-
     if r.args.bench is not None:
         return None
     return by_message(lambda: check_memory(r.cfg, r.args.job, r.args.num_nodes, debug_mode=r.args.debug_mode))
