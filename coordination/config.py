@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Iterable, Literal, get_args, get_origin
 
 import yaml
 
@@ -113,11 +113,13 @@ def _coerce_value(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{key} must be an integer (got {value!r})")
+        raise ConfigError(f"{key} must be an integer (got {value!r}); write it in digits, e.g. {key}=1000 or "
+                          f"{key}=1_000")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{key} must be a number (got {value!r})")
+        raise ConfigError(f"{key} must be a number (got {value!r}); write it as e.g. {key}=0.0002, {key}=2e-4 "
+                          f"or {key}=3E-4")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -218,11 +220,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
+    return set_values(cls, data, ((*parse_override(text), text) for text in overrides))
+
+
+def set_values(cls: type, data: dict, values: Iterable[tuple[str, Any, str]]) -> dict:
+    """`data` with each (dotted key, value, how the user gave it) set; the value as it is, not parsed."""
     valid = all_keys(cls)
     sections = {k.rsplit(".", 1)[0] for k in valid if "." in k}
     out = json.loads(json.dumps(data))  # deep copy of plain data
-    for text in overrides:
-        key, value = parse_override(text)
+    for key, value, given in values:
         if key not in valid and not (key in sections and isinstance(value, dict)):
             raise _unknown_key(key, valid)
         node = out
@@ -230,7 +236,7 @@ def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {text!r}: {p} is not a section")
+                raise ConfigError(f"override {given!r}: {p} is not a section")
         node[parts[-1]] = value
     return out
 
@@ -254,10 +260,14 @@ def load_yaml(path: Path) -> dict:
     return data
 
 
-def load(cls: type, yaml_files: list[Path] = (), overrides: list[str] = ()) -> Any:
+def load(cls: type, yaml_files: list[Path] = (), overrides: list[str] = (),
+         values: dict[str, Any] | None = None) -> Any:
+    """defaults <- each YAML file <- `values` (typed, e.g. from command-line flags: never parsed as
+    YAML, so a path stays the string it is) <- key=value `overrides`."""
     data: dict = {}
     for f in yaml_files:
         data = _merge(data, load_yaml(f))
+    data = set_values(cls, data, [(k, v, f"{k}={v}") for k, v in (values or {}).items()])
     data = apply_overrides(cls, data, list(overrides))
     return from_dict(cls, data)
 

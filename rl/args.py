@@ -42,9 +42,10 @@ class RunArgs:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def config_overrides(self) -> list[str]:
-        """Flags that are config keys (so every node must agree on them), then the user's key=value."""
-        flags = [f"run.data_path={self.data_path}"]
+    def config_flags(self) -> dict:
+        """The flags that are config keys (so every node must agree on them), as typed; the user's
+        key=value overrides come after them."""
+        flags: dict = {"run.data_path": str(self.data_path)}
         if self.eval_interval is not None:
-            flags.append(f"run.eval_interval={self.eval_interval}")
-        return flags + list(self.overrides)
+            flags["run.eval_interval"] = self.eval_interval
+        return flags

@@ -28,7 +28,6 @@ from coordination.progress import Progress
 from coordination.records import ensure_dir, open_own, publish_bytes, publish_record
 from coordination.runner import Phase, PhaseRunner, Step, Verdict, default_decide, failure_summary
 from rl.args import RunArgs
-from rl.dryrun import dry_run
 from rl.payloads import (EvalChoice, EvalResult, IterationSummary, Rendezvous, RolloutDone, SyncGo, TrainAggregated,
                          Trained)
 from rl.pipeline import wait_for_checkpoint, wait_for_rollouts
@@ -483,8 +482,6 @@ def _say_iteration_done(iteration: int, go, seconds: float) -> None:
 def run_node(args: RunArgs, cfg: RunConfig) -> int:
     """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
     logger = blog.setup(f"{args.job} rank{args.rank}")
-    if args.dry_run:
-        return dry_run(args, cfg)
     layout = RunLayout(args.log_path)
     node = None
     job: RLJob | None = None
@@ -496,7 +493,6 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
     signal.signal(signal.SIGTERM, on_term)
     try:
         plan = make_plan(args, cfg)
-        plan.check_inputs()  # bad input: exit 2 before the run folder is touched
         node = join_job(layout, job=args.job, rank=args.rank, num_nodes=args.num_nodes,
                         job_facts={"rank_weights": args.rank_weights, "rl_phase": args.rl_phase,
                                    "rollout_split": args.rollout_split},

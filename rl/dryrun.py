@@ -7,10 +7,9 @@ bytes on disk. Reads the log path if a run is there -- where the job stands (fin
 iteration and phase this rank last reported) and how this command's config differs from the
 recorded one -- but never writes to it.
 
-It also makes the input checks a real start makes before it writes anything (RunPlan.check_inputs:
-task files, reward, API key) and exits 2 where that start would, after printing everything else, so
-one dry run shows every problem at once. The GPU memory check refuses earlier, while the command
-line is read (rl/run_cli.py), for a dry run as for a start.
+It is given the failures of every input rule (rl/validate: flags, model, trainer launch, task
+files, reward, secrets, GPU memory), checks the log path as a start would, prints every failure
+beside the plan and exits 2 where a start would refuse, so one dry run shows every problem at once.
 """
 from __future__ import annotations
 
@@ -72,7 +71,8 @@ def standing(layout: RunLayout, args, cfg) -> tuple[int, list[str], bool]:
     return done + 1, lines, finished
 
 
-def dry_run(args, cfg) -> int:
+def dry_run(args, cfg, problems: list) -> int:
+    """Print the plan and `problems` (rl/validate failures); 2 if there are any, else 0."""
     echo = click.echo
     layout = RunLayout(args.log_path)
     it, where, finished = standing(layout, args, cfg)
@@ -80,8 +80,9 @@ def dry_run(args, cfg) -> int:
     echo(f"# dry run: job {args.job}, {role} of {args.num_nodes} node(s); nothing is written")
     echo("\n## where the run stands\n")
     echo("\n".join(where))
+    refused = _refusals(args, problems)
     if finished:
-        return 0
+        return _verdict(refused)
     echo(f"\nnext iteration: {it}")
     echo("\n## resolved config\n")
     echo(dump_yaml(cfg))
@@ -89,14 +90,10 @@ def dry_run(args, cfg) -> int:
     plan = make_plan(args, cfg)
     kind = plan.kind
     echo("## inputs\n")
-    try:
-        plan.check_inputs()
-        check_log_path_safe(args.log_path)
-        refused = None
-        echo("  task files, reward, API key, model and log path: checked as a start would (docs/design.md §5 rule 10)")
-    except (ConfigError, JoinRefused) as exc:
-        refused = str(exc)
-        echo(f"  refused: {refused}")
+    for message in refused:
+        echo(f"  refused: {message}")
+    if not refused:
+        echo("  every input rule passed (rl/validate), and the log path is safe (docs/design.md §5 rule 10)")
 
     echo("\n## phase plan of this rank (iteration %d)\n" % it)
     for n in kind.phases:
@@ -161,10 +158,26 @@ def dry_run(args, cfg) -> int:
             echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
     if not memory_plan(args, cfg, kind) and kind.trains:
         disk_use(cfg)
-    if refused is not None:
-        click.echo(f"\na start with this command would stop here (exit 2): {refused}", err=True)
-        return 2
-    return 0
+    return _verdict(refused)
+
+
+def _refusals(args, problems: list) -> list[str]:
+    """Every input rule that failed, and the log path checks of a start that write nothing."""
+    refused = [str(p) for p in problems]
+    try:
+        check_log_path_safe(args.log_path)
+    except JoinRefused as exc:
+        refused.append(str(exc))
+    return refused
+
+
+def _verdict(refused: list[str]) -> int:
+    if not refused:
+        return 0
+    click.echo(f"\na start with this command would stop here (exit 2), {len(refused)} problem(s):", err=True)
+    for message in refused:
+        click.echo(f"  {message}", err=True)
+    return 2
 
 
 def memory_plan(args, cfg, kind) -> bool:

@@ -10,12 +10,10 @@ from coordination.config import ConfigError
 from coordination.layout import RunLayout
 from coordination.phases import PhaseId
 from rl.jobs import JobKind
-from rl.model_inputs import check_model_inputs
 from rl.args import RunArgs
 from rl.runconfig import RunConfig
-from rollout.rewards import RewardError, check_reward
 from rollout.split import sample_iteration, select_eval, split_plan
-from rollout.tasks import TaskFileError, load_tasks
+from rollout.tasks import load_tasks
 from train.launch import torchrun_command
 
 
@@ -85,44 +83,18 @@ class RunPlan:
         k = self.cfg.run.eval_interval
         return k > 0 and ((it - 1) % k == 0 or self.is_final_eval(it))
 
-    def _task_file(self, split: str) -> Path:
+    def task_file(self, split: str) -> Path:
         return Path(self.cfg.run.data_path) / (self.cfg.tasks.train_file if split == "train" else self.cfg.tasks.eval_file)
 
     def pool(self, split: str) -> list:
         if split not in self._pools:
             name = self.cfg.tasks.train_file if split == "train" else self.cfg.tasks.eval_file
-            path = self._task_file(split)
+            path = self.task_file(split)
             if not path.exists():
                 raise ConfigError(f"{split} task file {path} does not exist: --data-path must hold {name} "
                                   f"(or set tasks.{split}_file); make one with `python -m rollout.tasks make`")
             self._pools[split] = load_tasks(path)
         return self._pools[split]
-
-    def check_inputs(self) -> None:
-        """Before this node writes anything to the run folder (docs/design.md §5 rule 10): every
-        task file this job reads parses (all lines, UTF-8), the reward loads and returns a finite
-        number on a sample task within tasks.reward_timeout, secret references resolve, and the
-        starting model fits the inputs (rl/model_inputs.py). ConfigError (exit 2) names the file
-        and line, the reward, the key or the task."""
-        kind = self.kind
-        splits = (["train"] if kind.rolls_out else []) + \
-            (["eval"] if kind.only_evaluates or (kind.evaluates and self.cfg.run.eval_interval > 0) else [])
-        try:
-            pools = [self.pool(split) for split in splits]
-            if pools:
-                check_reward(self.cfg.tasks.reward, pools[0][0], self.cfg.tasks.reward_timeout)
-        except (TaskFileError, RewardError) as exc:
-            raise ConfigError(str(exc)) from None
-        for split in splits:   # enough tasks for tasks_per_iteration / eval_tasks: the sampler's own check
-            try:
-                self.tasks_of(split, 1)
-            except ValueError as exc:
-                raise ConfigError(f"{exc} ({self._task_file(split)})") from None
-        if kind.serves and self.cfg.inference.engine == "vllm":
-            self.cfg.inference.vllm.resolved_api_key()  # an unset env: or unreadable file: is found now
-            self.cfg.inference.vllm.resolved_env()
-        if kind.serves:
-            check_model_inputs(self.cfg, {split: (self.pool(split), self._task_file(split)) for split in splits})
 
     def tasks_of(self, split: str, iteration: int) -> list:
         if split == "train":

@@ -10,8 +10,10 @@
 step table, JSON) as one multi-node torchrun of this run's `train` config, so the levers of a run
 are measured on the nodes and interconnect it will use, with the same flags and rendezvous.
 
-Every misuse exits 2 with a one-line reason and the usage. Nothing heavy is imported before the
-arguments are known to be good, so `--help` and mistakes answer at once.
+Every rule of the run's inputs is in rl/validate and applied here, once, before anything is
+written: a misused flag exits 2 with a line per failing rule and the usage, a config or input the
+run cannot use exits 2 with every failing rule (a dry run prints them beside its plan). Nothing
+heavy is imported before the flags are known to be good, so `--help` and mistakes answer at once.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from click.core import ParameterSource
 from coordination.config import ConfigError, redact_argv
 from coordination.records import restrict_umask
 from rl.args import RunArgs
+from rl.validate import failures
+from rl.validate.flags import FLAG_RULES, Flags, node_rank
+from rollout.split import parse_rank_weights
 
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
@@ -35,74 +40,16 @@ USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
                 "and the same command with --worker 1 instead of --master on node B.")
 
 
-def _fail(msg: str) -> None:
-    raise click.UsageError(msg)
-
-
-def _parse_weights(text: str | None, n: int) -> list[float]:
-    if text is None:
-        if n > 1:
-            _fail(f"--rank-weights is required with --num-nodes {n}: one positive number per node, e.g. "
-                  f"--rank-weights {','.join(['1'] * n)}")
-        return [1.0]
-    parts = [p.strip() for p in text.split(",")]
-    weights = []
-    for p in parts:
-        try:
-            w = float(p)
-        except ValueError:
-            _fail(f"--rank-weights {text!r}: {p!r} is not a number; give one positive number per node, e.g. 2,1")
-        if not w > 0 or w != w or w == float("inf"):
-            _fail(f"--rank-weights {text!r}: every weight must be a positive number (got {p})")
-        weights.append(w)
-    if len(weights) != n:
-        _fail(f"--rank-weights has {len(weights)} weight(s) but --num-nodes is {n}; give exactly one per node")
-    return weights
-
-
-def _rank(master: bool, worker: int | None, n: int) -> int:
-    env_rank = None
-    for var in ("RANK", "NODE_RANK"):
-        if os.environ.get(var, "").strip():
-            try:
-                env_rank = int(os.environ[var])
-            except ValueError:
-                _fail(f"{var}={os.environ[var]!r} in the environment is not a node rank; unset it or give --worker R")
-            break
-    if master and worker is not None:
-        _fail("--master and --worker are exclusive: rank 0 is the master, give one of them")
-    if worker is not None and worker == 0:
-        _fail("--worker 0 is the master: use --master on that node")
-    flag_rank = 0 if master else worker
-    if flag_rank is not None and env_rank is not None and flag_rank != env_rank:
-        _fail(f"the command line says rank {flag_rank} but RANK/NODE_RANK says {env_rank}; drop one of them")
-    rank = flag_rank if flag_rank is not None else env_rank
-    if rank is None:
-        if n == 1:
-            return 0
-        _fail(f"say which node this is: --master on one node and --worker R (1..{n - 1}) on the others")
-    if not 0 <= rank < n:
-        _fail(f"--worker rank must be between 1 and {n - 1} for {n} nodes (got {rank})")
-    return rank
-
-
-def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict) -> dict | None:
-    """The --bench-* options when --bench is given (checked against the RL flags), else None."""
+def _bench(bench: dict) -> tuple[dict | None, tuple[str, ...]]:
+    """(the --bench-* options when --bench is given, else None; the --bench-* options given on the command line)."""
+    ctx = click.get_current_context(silent=True)
+    given = tuple(k for k in bench if k != "bench" and ctx is not None
+                  and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
     if not bench.pop("bench"):
-        ctx = click.get_current_context(silent=True)
-        given = [k for k in bench if ctx is not None and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
-        if given:
-            _fail(f"--{given[0].replace('_', '-')} only applies with --bench")
-        if rl_phase is None:
-            _fail("--rl-phase rollout|update|both is required (or --bench to benchmark the trainer)")
-        return None
-    for flag, value in (("--rl-phase", rl_phase), ("--eval-interval", eval_interval),
-                        ("--rollout-split", rollout_split), ("--debug-mode", debug_mode or None)):
-        if value is not None:
-            _fail(f"--bench benchmarks the trainer on fake data and takes no {flag}; drop it")
+        return None, given
     if bench["bench_output_json"] is not None:  # the trainer's rank 0 may run in another node's folder
         bench["bench_output_json"] = bench["bench_output_json"].absolute()
-    return bench
+    return bench, given
 
 
 def _warn_literal_secrets(overrides) -> None:
@@ -115,28 +62,18 @@ def _warn_literal_secrets(overrides) -> None:
 
 def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker,
           debug_mode, resume, dry_run, configs, overrides, **bench) -> RunArgs:
-    bench = _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench)
-    if bench is not None:
-        rl_phase = "bench"
-    if rl_phase == "both" and eval_interval is None:
-        _fail("--eval-interval K is required with --rl-phase both (evaluate at iterations 1, 1+K, ...; "
-              "0 turns evaluation off)")
-    if eval_interval is not None and eval_interval < 0:
-        _fail(f"--eval-interval must be 0 or a positive number of iterations (got {eval_interval})")
-    if rl_phase == "rollout" and rollout_split is None:
-        _fail("--rollout-split train-only|eval-only is required with --rl-phase rollout")
-    if rl_phase != "rollout" and rollout_split is not None:
-        _fail(f"--rollout-split only applies to --rl-phase rollout (got --rl-phase {rl_phase})")
-    if num_nodes < 1:
-        _fail(f"--num-nodes must be at least 1 (got {num_nodes})")
-    weights = _parse_weights(rank_weights, num_nodes)
-    rank = _rank(master, worker, num_nodes)
-    for o in overrides:
-        if "=" not in o or o.startswith("="):
-            _fail(f"unexpected argument {o!r}: config overrides are key=value, e.g. train.lr=1e-4")
+    """The flags held to the command line's rules (rl/validate/flags.py), every failure at once."""
+    bench, bench_given = _bench(bench)
+    flags = Flags(rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker, debug_mode,
+                  tuple(overrides), bench is not None, bench_given)
+    problems = failures(FLAG_RULES, flags)
+    if problems:
+        raise click.UsageError("\n".join(map(str, problems)))
     _warn_literal_secrets(overrides)
-    return RunArgs(Path(data_path), Path(log_path), rl_phase, eval_interval, rollout_split, num_nodes, weights, rank,
-                   debug_mode, resume, dry_run, [Path(c) for c in configs], list(overrides),
+    weights = parse_rank_weights(rank_weights) if rank_weights is not None else [1.0]
+    return RunArgs(Path(data_path), Path(log_path), "bench" if bench is not None else rl_phase, eval_interval,
+                   rollout_split, num_nodes, weights, node_rank(flags), debug_mode, resume, dry_run,
+                   [Path(c) for c in configs], list(overrides),
                    command=shlex.join(["scripts/run.sh"] + redact_argv(sys.argv[1:])), bench=bench)
 
 
@@ -155,7 +92,8 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
               help="with --rl-phase rollout: roll out train tasks or evaluate")
 @click.option("--num-nodes", type=int, default=1, show_default=True, help="nodes in this job")
 @click.option("--rank-weights", default=None, metavar="W0,W1,...",
-              help="share of the rollout work per node (required when --num-nodes > 1), e.g. 2,1")
+              help="share of the rollout work per node (required when --num-nodes > 1; 0 = no rollout "
+                   "tasks), e.g. 2,1")
 @click.option("--master", is_flag=True, help="this node is rank 0 (or set RANK/NODE_RANK=0)")
 @click.option("--worker", type=int, default=None, metavar="R", help="this node is worker R (1..N-1)")
 @click.option("--debug-mode", is_flag=True, help="use an inference server you run yourself (inference.vllm.debug_url)")
@@ -172,23 +110,22 @@ def main(**kw) -> None:
     # The run config, the trainer's checks and the driver are imported only now, after the flags
     # parsed: `--help` and usage errors answer at once (tests/test_run_cli.py checks it).
     from rl.runconfig import load_run_config
+    from rl.validate.run import run_failures
 
     try:
-        cfg = load_run_config(args.configs, args.config_overrides())
-        cfg.check_for(args.rl_phase)
-        if args.kind.trains:
-            from train.config import check_launch
-
-            check_launch(cfg.train, args.num_nodes)
-        if args.bench is None:
-            from train.memory_check import check_memory
-
-            # Before run_node writes anything: a trainer and an engine that cannot share the GPUs
-            # would otherwise fail with an out-of-memory error at the first training step or wake.
-            check_memory(cfg, serves=args.kind.serves, trains=args.kind.trains, num_nodes=args.num_nodes,
-                         debug_mode=args.debug_mode)
+        cfg = load_run_config(args.configs, args.overrides, args.config_flags())
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    # Every rule of the composed config, before anything is written (rl/validate/run.py).
+    problems = run_failures(args, cfg)
+    if args.dry_run:
+        from rl.dryrun import dry_run
+
+        sys.exit(dry_run(args, cfg, problems))
+    if problems:
+        for p in problems:
+            click.echo(f"Error: {p}", err=True)
+        sys.exit(2)
     from rl.driver import run_node
 
     sys.exit(run_node(args, cfg))

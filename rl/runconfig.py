@@ -11,7 +11,7 @@ from typing import Literal
 
 from coordination.config import ConfigError, CoordinationConfig, load, non_negative, option, positive, section
 from rollout.config import RolloutConfig, TasksConfig
-from rollout.inference import VLLM_LORA_RANKS, InferenceConfig, resolve_between_iterations
+from rollout.inference import InferenceConfig, resolve_between_iterations
 from train.config import TrainConfig
 
 DEFAULT_YAML = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -33,7 +33,9 @@ class RunSection:
     seed: int = option(0, "seed of everything not seeded in its own section")
 
     def __post_init__(self) -> None:
-        non_negative(self.eval_interval, "eval_interval")
+        if self.eval_interval < 0:  # the one check of --eval-interval too: the flag sets this key
+            raise ConfigError(f"eval_interval must be 0 or a positive number of iterations (got {self.eval_interval});"
+                              f" give --eval-interval K (or run.eval_interval) with K >= 0, 0 turns evaluation off")
         positive(self.max_iterations, "max_iterations")
         non_negative(self.max_staleness, "max_staleness")
 
@@ -80,35 +82,12 @@ class RunConfig:
         self.inference.between_iterations = resolve_between_iterations(
             self.inference, resident_trainer=self.train.resident)
 
-    def check_for(self, rl_phase: str) -> None:
-        """Cross-section checks that depend on which phases this job runs."""
-        if rl_phase == "bench":  # --bench: model.path, when given, is the model to benchmark; else the tiny model
-            if self.model.path and not Path(self.model.path).is_dir():
-                raise ConfigError(f"model.path={self.model.path} is not a folder on this node; give the Hugging Face "
-                                  f"model to benchmark, or leave model.path empty to benchmark the tiny model")
-            return
-        if not self.model.path:
-            raise ConfigError("model.path is empty: give the starting checkpoint, e.g. model.path=/models/qwen "
-                              "or in a --config YAML file")
-        if rl_phase in ("both", "rollout") and not Path(self.model.path).exists():
-            raise ConfigError(f"model.path={self.model.path} does not exist on this node; every node must see "
-                              f"the starting checkpoint at the same path")
-        lora, vllm = self.train.lora, self.inference.vllm
-        # Checked now, not when the first adapters-only checkpoint is served after a whole iteration.
-        # A user's own server (debug_url) has its own LoRA settings.
-        if (rl_phase in ("both", "rollout") and lora.rank and lora.publish == "adapters"
-                and self.inference.engine == "vllm" and not vllm.debug_url and vllm.max_lora_rank < lora.rank):
-            raise ConfigError(f"train.lora.publish=adapters makes vLLM serve LoRA adapters of rank {lora.rank}, but "
-                              f"inference.vllm.max_lora_rank={vllm.max_lora_rank}; set it to a rank vLLM accepts "
-                              f"that is at least {lora.rank} (e.g. inference.vllm.max_lora_rank="
-                              f"{next((r for r in VLLM_LORA_RANKS if r >= lora.rank), VLLM_LORA_RANKS[-1])})"
-                              f", or use train.lora.publish=merged")
 
-
-def load_run_config(yaml_files: list[Path], overrides: list[str]) -> RunConfig:
-    """defaults <- configs/default.yaml <- each --config file <- key=value overrides."""
+def load_run_config(yaml_files: list[Path], overrides: list[str], flags: dict | None = None) -> RunConfig:
+    """defaults <- configs/default.yaml <- each --config file <- the flags that are config keys
+    (typed: `{"run.eval_interval": 2}`) <- key=value overrides."""
     files = [DEFAULT_YAML] + [Path(f) for f in yaml_files]
-    return load(RunConfig, files, overrides)
+    return load(RunConfig, files, overrides, flags)
 
 
 def default_yaml() -> str:

@@ -18,17 +18,36 @@ from typing import Sequence, TypeVar
 T = TypeVar("T")
 
 
-def _check_weights(weights: Sequence[float]) -> list[Fraction]:
+def check_rank_weights(weights: Sequence[float]) -> list[Fraction]:
+    """The one rule of rank weights, wherever they come from: finite, none negative, at least one
+    positive. A weight of 0 gives its rank no tasks (as a rank beyond the task count gets none)."""
     if not weights:
         raise ValueError("rank weights are empty; give one weight per rank (for example --rank-weights 1,1)")
     out = []
     for i, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"rank weight {i} is {w!r}; weights must be finite numbers >= 0")
+            raise ValueError(f"rank weight {i} is {w!r}; weights must be finite numbers >= 0 (for example "
+                             f"--rank-weights 2,1)")
         out.append(Fraction(w))
     if sum(out) <= 0:
         raise ValueError(f"rank weights {list(weights)} sum to zero; at least one rank needs a positive weight")
     return out
+
+
+def parse_rank_weights(text: str) -> list[float]:
+    """`--rank-weights 2,1` -> [2.0, 1.0], held to `check_rank_weights` (ValueError names the fix)."""
+    weights = []
+    for p in (p.strip() for p in text.split(",")):
+        try:
+            weights.append(float(p))
+        except ValueError:
+            raise ValueError(f"--rank-weights {text!r}: {p!r} is not a number; give one weight per node, "
+                             f"e.g. 2,1") from None
+    try:
+        check_rank_weights(weights)
+    except ValueError as exc:
+        raise ValueError(f"--rank-weights {text!r}: {exc}") from None
+    return weights
 
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
@@ -38,7 +57,7 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     between equal remainders go to the lower rank."""
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:
         raise ValueError(f"total must be a non-negative integer (got {total!r})")
-    ws = _check_weights(weights)
+    ws = check_rank_weights(weights)
     wsum = sum(ws)
     quotas = [total * w / wsum for w in ws]
     shares = [math.floor(q) for q in quotas]

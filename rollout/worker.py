@@ -30,7 +30,7 @@ from rollout.config import RolloutConfig
 from rollout.engine import Engine, EngineError, Sample, Sampling
 from rollout.prompts import encode_prompt
 from rollout.rewards import TIMED_OUT, RewardFn, RewardTimeout, load_reward
-from rollout.split import rank_slice, sample_iteration
+from rollout.split import parse_rank_weights, rank_slice, sample_iteration
 from rollout.tasks import Task, load_tasks
 
 _log = log.get("rollout")
@@ -278,10 +278,10 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
 def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iteration: int, rank: int,
                generation: int, run_id: str, rank_weights: str, tasks_per_iteration: int, reward: str,
                policy_iteration: int, overrides: tuple[str, ...]) -> RolloutSummary:
+    weights = parse_rank_weights(rank_weights)  # the run's own rule, before torch is imported
+    cfg = load(RolloutConfig, [], list(overrides))
     from rollout.engines.transformers_engine import TransformersEngine  # torch: only this command needs it
 
-    cfg = load(RolloutConfig, [], list(overrides))
-    weights = [float(w) for w in rank_weights.split(",")]
     pool = load_tasks(Path(task_file))
     tasks = pool if tasks_per_iteration == 0 else sample_iteration(
         pool, tasks_per_iteration, seed=cfg.seed, iteration=iteration)

@@ -150,23 +150,6 @@ def test_max_lora_rank_takes_the_ranks_vllm_accepts_and_suggests_the_next():
     assert "use 16" in str(err.value) and "or 0" in str(err.value)
 
 
-def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
-    from coordination.config import load
-    from rl.runconfig import RunConfig
-
-    def cfg(*over):
-        return load(RunConfig, [], [f"model.path={tmp_path}", "inference.engine=vllm", "train.lora.rank=16",
-                                    "train.lora.publish=adapters", *over])
-
-    with pytest.raises(ConfigError) as err:
-        cfg("inference.vllm.max_lora_rank=8").check_for("both")
-    assert "inference.vllm.max_lora_rank=16" in str(err.value) and "train.lora.publish=merged" in str(err.value)
-    cfg("inference.vllm.max_lora_rank=16").check_for("both")
-    cfg().check_for("update")                                    # an update job serves nothing
-    cfg("train.lora.publish=merged").check_for("rollout")        # merged checkpoints are served as they are
-    cfg("inference.vllm.debug_url=http://127.0.0.1:8000").check_for("both")  # the user's server decides
-
-
 @pytest.mark.parametrize("dp, seqs, n, window", [
     (1, 0, 8, 256),     # vLLM's default max_num_seqs counts as 1024: 2 x 1024 / 8
     (8, 0, 8, 2048),    # scales with the data-parallel engines

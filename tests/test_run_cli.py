@@ -28,8 +28,10 @@ MISUSE = [
      "--rank-weights has 2 weight(s) but --num-nodes is 3"),
     (BASE + ["--rl-phase", "update", "--num-nodes", "2", "--rank-weights", "1,x", "--master"], {},
      "'x' is not a number"),
-    (BASE + ["--rl-phase", "update", "--num-nodes", "2", "--rank-weights", "1,0", "--master"], {},
-     "every weight must be a positive number"),
+    (BASE + ["--rl-phase", "update", "--num-nodes", "2", "--rank-weights", "0,0", "--master"], {},
+     "--rank-weights '0,0': rank weights [0.0, 0.0] sum to zero; at least one rank needs a positive weight"),
+    (BASE + ["--rl-phase", "update", "--num-nodes", "2", "--rank-weights", "1,-1", "--master"], {},
+     "--rank-weights '1,-1': rank weight 1 is -1.0; weights must be finite numbers >= 0"),
     (BASE + ["--rl-phase", "update", "--num-nodes", "3", "--rank-weights", "1,1,1", "--worker", "3"], {},
      "--worker rank must be between 1 and 2 for 3 nodes (got 3)"),
     (BASE + ["--rl-phase", "update", "--num-nodes", "2", "--rank-weights", "1,1", "--master", "--worker", "1"], {},
@@ -43,7 +45,8 @@ MISUSE = [
      "--worker rank must be between 1 and 1 for 2 nodes (got 5)"),
     (BASE + ["--rl-phase", "update", "--frobnicate"], {}, "No such option '--frobnicate'"),
     (BASE + ["--rl-phase", "update", "train.lr"], {}, "unexpected argument 'train.lr'"),
-    (BASE + ["--rl-phase", "update", "--eval-interval", "-1"], {}, "--eval-interval must be 0 or a positive"),
+    (BASE + ["--rl-phase", "update", "--eval-interval", "-1"], {},
+     "run.eval_interval must be 0 or a positive number of iterations (got -1); give --eval-interval K"),
 ]
 
 

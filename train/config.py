@@ -35,20 +35,6 @@ def check_world_size(dp_replicate: int, world_size: int) -> None:
                           f"dp_shard, so set train.dp_replicate to one of {divisors} (1 = plain FSDP)")
 
 
-def check_launch(cfg: "TrainConfig", num_nodes: int) -> None:
-    """What can be checked before any node trains: every node runs this at start-up, so a
-    setting the trainer would refuse stops the run before its first rollout, not at phase 10 of
-    every retry. (The trainer checks again against its device with train.build.preflight.)"""
-    import importlib.util
-
-    if cfg.backend == "fsdp":
-        check_world_size(cfg.dp_replicate, num_nodes * cfg.nproc_per_node)
-    if cfg.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError("train.attn=flash_attention_2 needs the flash-attn package, which this node's Python "
-                          "does not have: pip install flash-attn --no-build-isolation on every GPU node, or set "
-                          "train.attn=sdpa")
-
-
 @dataclass
 class ActivationCheckpointConfig:
     """Recompute decoder blocks in backward instead of keeping their activations."""
