@@ -14,8 +14,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-JOBS = ("both", "rollout", "update", "eval", "bench")  # eval: --rl-phase rollout --rollout-split eval-only;
-# bench: run.sh --bench (the trainer's benchmark as one torchrun over the nodes)
+from coordination.phases import JOB_PHASES
+
+JOBS = tuple(JOB_PHASES)  # the job names of the phase table, in its order (what each does: rl/jobs.py)
 SPLITS = ("train", "eval")
 
 _CLAIM_RE = re.compile(r"^claim-(\d+)$")

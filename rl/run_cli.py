@@ -26,7 +26,7 @@ from click.core import ParameterSource
 
 from coordination.config import ConfigError, redact_argv
 from coordination.records import restrict_umask
-from rl.jobs import KINDS, JobKind
+from rl.jobs import RL_PHASES, JobKind, kind_for
 
 from train.benchmark import bench_options  # click and the standard library only: --help stays instant
 
@@ -40,9 +40,8 @@ USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
 class RunArgs:
     data_path: Path
     log_path: Path
-    rl_phase: str
+    kind: JobKind  # the job the flags select (rl/jobs.py): its name names the job everywhere
     eval_interval: int | None
-    rollout_split: str | None
     num_nodes: int
     rank_weights: list[float]
     rank: int
@@ -52,18 +51,7 @@ class RunArgs:
     configs: list[Path] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     command: str = ""
-    bench: dict | None = None  # --bench: the trainer's --bench-* options (rl_phase is "bench")
-
-    @property
-    def job(self) -> str:
-        if self.rl_phase == "rollout":
-            return "rollout" if self.rollout_split == "train-only" else "eval"
-        return self.rl_phase
-
-    @property
-    def kind(self) -> JobKind:
-        """What this job does (rl/jobs.py)."""
-        return KINDS[self.job]
+    bench: dict | None = None  # --bench: the trainer's --bench-* options (kind is BENCH)
 
     @property
     def is_master(self) -> bool:
@@ -135,8 +123,6 @@ def _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench: dict)
         given = [k for k in bench if ctx is not None and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE]
         if given:
             _fail(f"--{given[0].replace('_', '-')} only applies with --bench")
-        if rl_phase is None:
-            _fail("--rl-phase rollout|update|both is required (or --bench to benchmark the trainer)")
         return None
     for flag, value in (("--rl-phase", rl_phase), ("--eval-interval", eval_interval),
                         ("--rollout-split", rollout_split), ("--debug-mode", debug_mode or None)):
@@ -158,17 +144,15 @@ def _warn_literal_secrets(overrides) -> None:
 def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes, rank_weights, master, worker,
           debug_mode, resume, dry_run, configs, overrides, **bench) -> RunArgs:
     bench = _bench_mode(rl_phase, eval_interval, rollout_split, debug_mode, bench)
-    if bench is not None:
-        rl_phase = "bench"
-    if rl_phase == "both" and eval_interval is None:
-        _fail("--eval-interval K is required with --rl-phase both (evaluate at iterations 1, 1+K, ...; "
+    try:
+        kind = kind_for(rl_phase, rollout_split, bench=bench is not None)
+    except ValueError as exc:
+        _fail(str(exc))
+    if kind.evaluates_on_interval and eval_interval is None:
+        _fail(f"--eval-interval K is required with {kind.flags} (evaluate at iterations 1, 1+K, ...; "
               "0 turns evaluation off)")
     if eval_interval is not None and eval_interval < 0:
         _fail(f"--eval-interval must be 0 or a positive number of iterations (got {eval_interval})")
-    if rl_phase == "rollout" and rollout_split is None:
-        _fail("--rollout-split train-only|eval-only is required with --rl-phase rollout")
-    if rl_phase != "rollout" and rollout_split is not None:
-        _fail(f"--rollout-split only applies to --rl-phase rollout (got --rl-phase {rl_phase})")
     if num_nodes < 1:
         _fail(f"--num-nodes must be at least 1 (got {num_nodes})")
     weights = _parse_weights(rank_weights, num_nodes)
@@ -177,7 +161,7 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
         if "=" not in o or o.startswith("="):
             _fail(f"unexpected argument {o!r}: config overrides are key=value, e.g. train.lr=1e-4")
     _warn_literal_secrets(overrides)
-    return RunArgs(Path(data_path), Path(log_path), rl_phase, eval_interval, rollout_split, num_nodes, weights, rank,
+    return RunArgs(Path(data_path), Path(log_path), kind, eval_interval, num_nodes, weights, rank,
                    debug_mode, resume, dry_run, [Path(c) for c in configs], list(overrides),
                    command=shlex.join(["scripts/run.sh"] + redact_argv(sys.argv[1:])), bench=bench)
 
@@ -188,7 +172,7 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
               help="folder of task files (train.jsonl, eval.jsonl), the same on every node")
 @click.option("--log-path", required=True, type=click.Path(path_type=Path),
               help="run folder on the shared filesystem (NFS, Lustre, GPFS), the same on every node")
-@click.option("--rl-phase", type=click.Choice(["rollout", "update", "both"]), default=None,
+@click.option("--rl-phase", type=click.Choice(RL_PHASES), default=None,
               help="which phases this job runs: rollout 0-6, update 7-13, both 0-13 per iteration (required "
                    "unless --bench)")
 @click.option("--eval-interval", type=int, default=None,
@@ -217,17 +201,17 @@ def main(**kw) -> None:
 
     try:
         cfg = load_run_config(args.configs, args.config_overrides())
-        cfg.check_for(args.rl_phase)
+        cfg.check_for(args.kind)
         if args.kind.trains:
             from train.config import check_launch
 
             check_launch(cfg.train, args.num_nodes)
-        if args.bench is None:
+        if not args.kind.benchmarks:
             from train.memory_plan import check_memory
 
             # Before run_node writes anything: a trainer and an engine that cannot share the GPUs
             # would otherwise fail with an out-of-memory error at the first training step.
-            check_memory(cfg, args.job, args.num_nodes, debug_mode=args.debug_mode)
+            check_memory(cfg, args.kind.name, args.num_nodes, debug_mode=args.debug_mode)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     from rl.driver import run_node

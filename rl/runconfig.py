@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from coordination.config import ConfigError, CoordinationConfig, load, non_negative, option, positive, section
+from rl.jobs import JobKind
 from rollout.config import RolloutConfig, TasksConfig
 from rollout.inference import VLLM_LORA_RANKS, InferenceConfig, resolve_between_iterations
 from train.config import TrainConfig
@@ -80,9 +81,9 @@ class RunConfig:
         self.inference.between_iterations = resolve_between_iterations(
             self.inference, resident_trainer=self.train.resident)
 
-    def check_for(self, rl_phase: str) -> None:
-        """Cross-section checks that depend on which phases this job runs."""
-        if rl_phase == "bench":  # --bench: model.path, when given, is the model to benchmark; else the tiny model
+    def check_for(self, kind: JobKind) -> None:
+        """Cross-section checks that depend on what this job does."""
+        if kind.benchmarks:  # --bench: model.path, when given, is the model to benchmark; else the tiny model
             if self.model.path and not Path(self.model.path).is_dir():
                 raise ConfigError(f"model.path={self.model.path} is not a folder on this node; give the Hugging Face "
                                   f"model to benchmark, or leave model.path empty to benchmark the tiny model")
@@ -90,13 +91,13 @@ class RunConfig:
         if not self.model.path:
             raise ConfigError("model.path is empty: give the starting checkpoint, e.g. model.path=/models/qwen "
                               "or in a --config YAML file")
-        if rl_phase in ("both", "rollout") and not Path(self.model.path).exists():
+        if kind.serves and not Path(self.model.path).exists():
             raise ConfigError(f"model.path={self.model.path} does not exist on this node; every node must see "
                               f"the starting checkpoint at the same path")
         lora, vllm = self.train.lora, self.inference.vllm
         # Checked now, not when the first adapters-only checkpoint is served after a whole iteration.
         # A user's own server (debug_url) has its own LoRA settings.
-        if (rl_phase in ("both", "rollout") and lora.rank and lora.publish == "adapters"
+        if (kind.serves and lora.rank and lora.publish == "adapters"
                 and self.inference.engine == "vllm" and not vllm.debug_url and vllm.max_lora_rank < lora.rank):
             raise ConfigError(f"train.lora.publish=adapters makes vLLM serve LoRA adapters of rank {lora.rank}, but "
                               f"inference.vllm.max_lora_rank={vllm.max_lora_rank}; set it to a rank vLLM accepts "

@@ -152,6 +152,7 @@ def test_max_lora_rank_takes_the_ranks_vllm_accepts_and_suggests_the_next():
 
 def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
     from coordination.config import load
+    from rl.jobs import BOTH, ROLLOUT, UPDATE
     from rl.runconfig import RunConfig
 
     def cfg(*over):
@@ -159,12 +160,12 @@ def test_adapters_published_for_vllm_need_lora_serving_at_start_up(tmp_path):
                                     "train.lora.publish=adapters", *over])
 
     with pytest.raises(ConfigError) as err:
-        cfg("inference.vllm.max_lora_rank=8").check_for("both")
+        cfg("inference.vllm.max_lora_rank=8").check_for(BOTH)
     assert "inference.vllm.max_lora_rank=16" in str(err.value) and "train.lora.publish=merged" in str(err.value)
-    cfg("inference.vllm.max_lora_rank=16").check_for("both")
-    cfg().check_for("update")                                    # an update job serves nothing
-    cfg("train.lora.publish=merged").check_for("rollout")        # merged checkpoints are served as they are
-    cfg("inference.vllm.debug_url=http://127.0.0.1:8000").check_for("both")  # the user's server decides
+    cfg("inference.vllm.max_lora_rank=16").check_for(BOTH)
+    cfg().check_for(UPDATE)                                    # an update job serves nothing
+    cfg("train.lora.publish=merged").check_for(ROLLOUT)        # merged checkpoints are served as they are
+    cfg("inference.vllm.debug_url=http://127.0.0.1:8000").check_for(BOTH)  # the user's server decides
 
 
 @pytest.mark.parametrize("dp, seqs, n, window", [

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 
 from coordination.config import load
-from rl.plan import make_plan
+from rl.jobs import kind_for
+from rl.plan import job_plan
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
 
 
 def running(rl_phase: str, split: str | None, iteration: int) -> list[int]:
     cfg = load(RunConfig, [], ["model.path=/m", "run.max_iterations=2", "run.eval_interval=2"])
-    plan = make_plan(RunArgs(Path("/d"), Path("/l"), rl_phase, 2, split, 1, [1.0], 0), cfg)
+    plan = job_plan(RunArgs(Path("/d"), Path("/l"), kind_for(rl_phase, split, bench=False), 2, 1, [1.0], 0), cfg)
     return [n for n in range(14) if plan.runs(n, iteration)]
 
 
