@@ -32,7 +32,7 @@ from coordination.clock import Backoff, Clock
 from coordination.config import dict_hash, differences, redact
 from coordination.layout import JobLayout, RunLayout
 from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, open_own, publish_bytes,
-                                  publish_record, try_read)
+                                  publish_record, read_or_none)
 from coordination.settle import DEFAULT_SETTLE, KEY as SETTLE_KEY, DamagedRecord, NotVisibleYet, read_settled
 
 log = logging.getLogger("baton.manifest")
@@ -406,10 +406,7 @@ def publish_master(job: JobLayout, run_id: str, generation: int, addr: str) -> N
 
 
 def read_master(job: JobLayout, run_id: str) -> dict | None:
-    try:
-        rec = try_read(job.master_json, kind="master", run_id=run_id)
-    except RecordError:
-        return None
+    rec = read_or_none(job.master_json, kind="master", run_id=run_id)
     return None if rec is None else dict(rec.data, generation=rec.generation)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from coordination import timeline
 from coordination.layout import JobLayout, RunLayout
 from coordination.phases import BY_NUMBER
-from coordination.records import RecordError, try_read
+from coordination.records import read_or_none
 
 # Rollout stats copied to the top level of the record (as train_<key>) for plots and status.
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "pass_at_1", "groups_all_solved", "groups_none_solved", "truncated",
@@ -18,10 +18,7 @@ ROLLOUT_KEYS = ("reward_mean", "reward_std", "pass_at_1", "groups_all_solved", "
 
 
 def _data(path: Path, kind: str | None, run_id: str) -> dict | None:
-    try:
-        rec = try_read(path, kind=kind, run_id=run_id)
-    except RecordError:
-        return None
+    rec = read_or_none(path, kind=kind, run_id=run_id)
     return rec.data if rec else None
 
 

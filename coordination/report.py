@@ -17,7 +17,7 @@ from typing import Any
 
 from coordination import timeline
 from coordination.layout import JOBS, RunLayout, iteration_number
-from coordination.records import RecordError, atomic_output, ensure_dir, publish_bytes, try_read
+from coordination.records import atomic_output, ensure_dir, publish_bytes, read_or_none, try_read
 
 
 def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
@@ -28,10 +28,7 @@ def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
         n = iteration_number(p.stem)
         if n is None:
             continue
-        try:
-            rec = try_read(p, kind="metrics")
-        except RecordError:
-            rec = None
+        rec = read_or_none(p, kind="metrics")
         if rec is not None:
             out.append(dict(rec.data, iteration=n))
     return sorted(out, key=lambda m: m["iteration"])

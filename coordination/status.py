@@ -22,7 +22,7 @@ from coordination.clock import Clock
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
 from coordination.layout import JOBS, RunLayout, iteration_number
 from coordination.phases import phase_name
-from coordination.records import RecordError, try_read
+from coordination.records import read_or_none
 
 
 @dataclass
@@ -73,19 +73,12 @@ class JobStatus:
     waiting: str
 
 
-def _read(path: Path, kind: str, run_id: str | None):
-    try:
-        return try_read(path, kind=kind, run_id=run_id)
-    except RecordError:
-        return None
-
-
 def _trainer_states(jl, rank: int, run_id: str) -> list[dict[str, Any]]:
     """The resident trainer processes of node `rank` (train/resident.py writes `state-L.json` per
     local rank, the record kind "resident-trainer"): local ranks 0, 1, ... up to the first missing."""
     out = []
     for local in range(1024):
-        rec = _read(jl.trainer_state(rank, local), "resident-trainer", run_id)
+        rec = read_or_none(jl.trainer_state(rank, local), kind="resident-trainer", run_id=run_id)
         if rec is None:
             break
         d = rec.data
@@ -110,10 +103,7 @@ def _metrics_newest_first(layout: RunLayout):
         return
     its = sorted((n, p) for p in layout.metrics_dir.iterdir() if (n := iteration_number(p.stem)) is not None)
     for n, p in reversed(its):
-        try:
-            rec = try_read(p, kind="metrics")
-        except RecordError:
-            rec = None
+        rec = read_or_none(p, kind="metrics")
         if rec is not None:
             yield dict(rec.data, iteration=n)
 
@@ -172,7 +162,7 @@ class StatusReader:
             self.clock.sleep(min(poll, end - now))
 
     def snapshot(self) -> dict[str, Any]:
-        run = _read(self.layout.run_json, "run", None)
+        run = read_or_none(self.layout.run_json, kind="run")
         if run is None:
             raise FileNotFoundError(f"no baton run in {self.layout.root} (no readable run.json); check --log-path")
         run_id = run.run_id
@@ -180,10 +170,10 @@ class StatusReader:
         jobs = []
         for name in JOBS:
             jl = self.layout.job(name)
-            job = _read(jl.job_json, "job", run_id)
+            job = read_or_none(jl.job_json, kind="job", run_id=run_id)
             if job is None:
                 continue
-            prog = _read(jl.progress_json, "progress", run_id)
+            prog = read_or_none(jl.progress_json, kind="progress", run_id=run_id)
             rows = [self._rank_row(jl, name, r, run_id) for r in range(int(job.data["num_nodes"]))]
             for row in rows:
                 row.trainer = _trainer_states(jl, row.rank, run_id)
@@ -197,8 +187,8 @@ class StatusReader:
 
     def _rank_row(self, jl, job: str, rank: int, run_id: str) -> RankRow:
         gens = jl.claim_generations(rank)
-        claim = _read(jl.claim(rank, gens[-1]), "claim", None) if gens else None
-        hb = _read(jl.heartbeat(rank), HEARTBEAT_KIND, run_id)
+        claim = read_or_none(jl.claim(rank, gens[-1]), kind="claim") if gens else None
+        hb = read_or_none(jl.heartbeat(rank), kind=HEARTBEAT_KIND, run_id=run_id)
         if not gens and hb is None:
             return RankRow(job, rank, None, None, None, None, None, "-", None, "never-joined", "no heartbeat")
         # A superseded generation's heartbeat is no sign of life of the rank (min_generation).

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from coordination.checkpoints import read_latest
 from coordination.heartbeat import LivenessTracker
 from coordination.node import PeerLost
-from coordination.records import RecordError, try_read
+from coordination.records import read_or_none
 from rl.jobs import PRODUCER, JobKind
 
 if TYPE_CHECKING:
@@ -68,11 +68,7 @@ def wait_for_rollouts(rl: "RLJob", iteration: int) -> None:
     path = rl.layout.rollout_stats("train", iteration)
 
     def probe():
-        try:
-            rec = try_read(path, run_id=rl.node.run_id)
-        except RecordError:
-            return None
-        return True if rec is not None else None
+        return True if read_or_none(path, run_id=rl.node.run_id) is not None else None
 
     rl.node.say(f"waiting for the train rollouts of iteration {iteration}", beat=True)
     rl.node.wait_for(probe, what=f"the rollout job's train rollouts of iteration {iteration} ({path})",

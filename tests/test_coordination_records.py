@@ -14,7 +14,7 @@ from coordination.clock import Backoff, FakeClock
 from coordination.config import ConfigError, CoordinationConfig, load, option, section
 from coordination.layout import RunLayout, barrier_name, chunk_identity
 from coordination.records import (BrokenRecord, NotThereYet, PatientReader, WrongRun, create_record,
-                                  is_temp_name, publish_record, read_record)
+                                  is_temp_name, publish_record, read_or_none, read_record, try_read)
 
 
 def test_published_record_reads_back_with_envelope(tmp_path: Path):
@@ -51,6 +51,21 @@ def test_record_of_another_run_is_not_mistaken_for_this_run(tmp_path: Path):
     publish_record(p, "arrival", {"ok": True}, run_id="old-run", generation=1)
     with pytest.raises(WrongRun, match="old-run"):
         read_record(p, run_id="new-run")
+
+
+def test_read_or_none_gives_only_a_whole_record_of_this_run_where_try_read_still_refuses_another_run(tmp_path):
+    p = tmp_path / "rec.json"
+    assert read_or_none(p, run_id="r") is None                                    # missing
+    publish_record(p, "go", {"decision": "continue"}, run_id="r", generation=3)
+    raw = p.read_bytes()
+    assert read_or_none(p, kind="go", run_id="r").data == {"decision": "continue"}
+    assert read_or_none(p, kind="arrival", run_id="r") is None                    # another kind
+    p.write_bytes(raw[:len(raw) // 2])
+    assert read_or_none(p, run_id="r") is None                                    # half written
+    p.write_bytes(raw)
+    assert read_or_none(p, run_id="other") is None                                # another run's
+    with pytest.raises(WrongRun):
+        try_read(p, run_id="other")
 
 
 def test_garbage_record_is_retried_then_reported_as_broken(tmp_path: Path):
