@@ -16,22 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from coordination import timeline
-from coordination.layout import JOBS, RunLayout, iteration_number
-from coordination.records import atomic_output, ensure_dir, publish_bytes, read_or_none, try_read
-
-
-def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
-    out = []
-    if not layout.metrics_dir.exists():
-        return out
-    for p in layout.metrics_dir.iterdir():
-        n = iteration_number(p.stem)
-        if n is None:
-            continue
-        rec = read_or_none(p, kind="metrics")
-        if rec is not None:
-            out.append(dict(rec.data, iteration=n))
-    return sorted(out, key=lambda m: m["iteration"])
+from coordination.layout import JOBS, RunLayout
+from coordination.metrics import iteration_metrics
+from coordination.records import atomic_output, ensure_dir, publish_bytes, try_read
 
 
 def load_spans(layout: RunLayout) -> list[dict[str, Any]]:
@@ -331,7 +318,7 @@ def make_report(log_path: Path, out: Path | None = None) -> dict[str, Any]:
         raise FileNotFoundError(f"no baton run in {log_path} (no readable run.json); check --log-path")
     out = Path(out) if out else layout.report_dir
     ensure_dir(out)
-    metrics = load_metrics(layout)
+    metrics = list(iteration_metrics(layout))
     spans = load_spans(layout)
     trainer_spans = load_trainer_spans(layout, end=max((s["end"] for s in spans), default=None))
     pngs = [plot_learning(metrics, out), plot_timeline(spans, out, trainer_spans), plot_throughput(metrics, out),

@@ -20,7 +20,8 @@ import yaml
 
 from coordination.clock import Clock
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
-from coordination.layout import JOBS, RunLayout, iteration_number
+from coordination.layout import JOBS, RunLayout
+from coordination.metrics import iteration_metrics
 from coordination.phases import phase_name
 from coordination.records import read_or_none
 
@@ -98,25 +99,15 @@ def trainer_line(rank: int, states: list[dict[str, Any]]) -> str:
     return f"  rank {rank} trainer: " + "; ".join(parts)
 
 
-def _metrics_newest_first(layout: RunLayout):
-    if not layout.metrics_dir.exists():
-        return
-    its = sorted((n, p) for p in layout.metrics_dir.iterdir() if (n := iteration_number(p.stem)) is not None)
-    for n, p in reversed(its):
-        rec = read_or_none(p, kind="metrics")
-        if rec is not None:
-            yield dict(rec.data, iteration=n)
-
-
 def _latest_metrics(layout: RunLayout) -> dict[str, Any] | None:
-    return next(_metrics_newest_first(layout), None)
+    return next(iteration_metrics(layout, newest_first=True), None)
 
 
 def _last_values(layout: RunLayout) -> dict[str, dict[str, Any]]:
     """The newest train reward and eval accuracy, each from the newest iteration that has it: the
     final evaluation-only iteration has no train reward, most iterations no eval."""
     out: dict[str, dict[str, Any]] = {}
-    for m in _metrics_newest_first(layout):
+    for m in iteration_metrics(layout, newest_first=True):
         for key in ("train_reward_mean", "eval_accuracy"):
             if key not in out and isinstance(m.get(key), (int, float)):
                 out[key] = {"value": m[key], "iteration": m["iteration"],
