@@ -224,7 +224,7 @@ def accept_resume(layout: RunLayout, info: RunInfo) -> None:
     change = info.pending
     if change is None:
         return
-    n = len(list(layout.config_changes_dir.glob("change-*.json"))) + 1 if layout.config_changes_dir.exists() else 1
+    n = layout.config_change_count() + 1
     publish_record(layout.config_change(n), "config-change",
                    {"from_hash": change.from_hash, "to_hash": change.to_hash, "changes": change.changes,
                     "by": f"{socket.gethostname()}:{os.getpid()}"}, run_id=info.run_id, generation=0)

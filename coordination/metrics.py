@@ -56,13 +56,11 @@ def phase_seconds(job: JobLayout, num_nodes: int, iteration: int) -> dict[str, d
 
 
 def training_results(layout: RunLayout, iteration: int, attempt: int, run_id: str) -> dict[str, dict]:
-    folder = layout.training_result(iteration, attempt, 0).parent
     out = {}
-    if folder.exists():
-        for p in sorted(folder.glob("result-rank-*.json")):
-            d = _data(p, None, run_id)
-            if d is not None:
-                out[p.stem.removeprefix("result-rank-")] = d
+    for rank in layout.training_result_ranks(iteration, attempt):
+        d = _data(layout.training_result(iteration, attempt, rank), None, run_id)
+        if d is not None:
+            out[str(rank)] = d
     return out
 
 

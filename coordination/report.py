@@ -24,9 +24,7 @@ from coordination.records import atomic_output, ensure_dir, publish_bytes, try_r
 def load_spans(layout: RunLayout) -> list[dict[str, Any]]:
     """(job, rank, iteration, phase, kind, start, end) spans from every timeline file."""
     spans = []
-    if not layout.timeline_dir.exists():
-        return spans
-    for path in sorted(layout.timeline_dir.glob("*-rank-*.jsonl")):
+    for path in layout.timeline_files():
         open_: dict[tuple, dict] = {}
         for ev in timeline.read(path):
             kind = "wait" if ev["event"].startswith("wait") else "work"
@@ -49,11 +47,8 @@ def load_trainer_spans(layout: RunLayout, end: float | None = None) -> list[dict
     """(job, rank, state, iteration, start, end) of each node's resident trainer, from the state
     changes its local rank 0 appended to `timeline/trainer/` (docs/design.md §9.6). A state lasts
     until the next one; the last lasts until `end` (the end of the run's phases), else it is dropped."""
-    folder = layout.timeline_dir / "trainer"
     spans = []
-    if not folder.is_dir():
-        return spans
-    for path in sorted(folder.glob("*-rank-*.jsonl")):
+    for path in layout.trainer_timeline_files():
         events = sorted((e for e in timeline.read(path) if isinstance(e.get("wall"), (int, float))),
                         key=lambda e: e["wall"])
         for ev, nxt in zip(events, [*events[1:], None]):

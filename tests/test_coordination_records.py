@@ -139,6 +139,28 @@ def test_layout_names_are_scoped_and_parseable(tmp_path: Path):
         lay.job("nope")
 
 
+def test_layout_lists_the_files_it_names_and_nothing_else_in_their_folders(tmp_path: Path):
+    lay = RunLayout(tmp_path)
+    assert lay.training_result_ranks(2, 1) == [] and lay.config_change_count() == 0 and lay.timeline_files() == []
+    for rank in (10, 2, 0):
+        publish_record(lay.training_result(2, 1, rank), "result", {}, run_id="r", generation=0)
+    (lay.training_attempt_dir(2, 1) / "result-rank-x.json").write_text("{}")
+    (lay.training_attempt_dir(2, 1) / "notes.txt").write_text("")
+    assert lay.training_result_ranks(2, 1) == [0, 2, 10]
+    for n in (1, 2):
+        publish_record(lay.config_change(n), "config-change", {}, run_id="r", generation=0)
+    (lay.config_changes_dir / "change-draft.json").write_text("{}")
+    assert lay.config_change_count() == 2
+    lines = [lay.job("both").timeline(1), lay.job("eval").timeline(0), lay.job("both").trainer_timeline(0)]
+    for path in lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    assert lay.timeline_files() == sorted(lines[:2]) and lay.trainer_timeline_files() == [lines[2]]
+    # Two processes' retention renaming the same checkpoint away never pick one name.
+    assert lay.checkpoint_trash(4, 77) != lay.checkpoint_trash(4, 78)
+    assert lay.checkpoint_trash(4, 77).parent == lay.checkpoint_trash_dir
+
+
 @dataclass
 class _Inner:
     lr: float = option(1e-3, "learning rate")
