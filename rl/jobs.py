@@ -30,7 +30,7 @@ class JobKind:
     policy: Literal["", "previous", "latest"]
     benchmarks: bool  # runs the trainer's benchmark once instead of RL iterations (BenchPlan, BenchJob)
     # The run.sh flags that select this job (kept as `rl_phase` and `rollout_split` in job.json).
-    rl_phase: str | None            # --rl-phase; None for --bench
+    rl_phase: str                   # --rl-phase; the benchmark's "bench" is only recorded (--bench selects it)
     rollout_split: str | None = None  # --rollout-split, which only --rl-phase rollout takes
 
     @property
@@ -64,7 +64,7 @@ UPDATE = JobKind("update", rolls_out=False, evaluates=False, trains=True, serves
 EVAL = JobKind("eval", rolls_out=False, evaluates=True, trains=False, serves=True, waits_for="checkpoint",
                policy="previous", benchmarks=False, rl_phase="rollout", rollout_split="eval-only")
 BENCH = JobKind("bench", rolls_out=False, evaluates=False, trains=True, serves=False, waits_for="", policy="",
-                benchmarks=True, rl_phase=None)
+                benchmarks=True, rl_phase="bench")
 
 # In the order run.sh's help and messages list the --rl-phase values.
 KINDS: dict[str, JobKind] = {k.name: k for k in (ROLLOUT, UPDATE, BOTH, EVAL, BENCH)}
