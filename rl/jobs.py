@@ -1,7 +1,7 @@
 """The job kinds of a run as data (docs/design.md §6): what each trains, evaluates, serves and
-waits for. The driver, the dry run, the CLI and the config checks read these fields; no other module compares
-a job's name (tests/test_layers.py checks it), so adding a job is adding a row here and in
-coordination.phases.JOB_PHASES.
+waits for, and which run.sh flags select it. The driver, the dry run, the CLI and the config
+checks read these fields; no other module compares a job's name (tests/test_layers.py checks it),
+so adding a job is adding a row here and in coordination.phases.JOB_PHASES.
 
 `both` is one job that does everything. A pipelined run is a `rollout` job and an `update` job
 on one log path (plus, optionally, an `eval` job); they meet only in rollouts/ and checkpoints/.
@@ -30,7 +30,7 @@ class JobKind:
     policy: Literal["", "previous", "latest"]
     benchmarks: bool  # runs the trainer's benchmark once instead of RL iterations (BenchPlan, BenchJob)
     # The run.sh flags that select this job (kept as `rl_phase` and `rollout_split` in job.json).
-    rl_phase: str                   # --rl-phase; the benchmark's "bench" is only recorded (--bench selects it)
+    rl_phase: str  # --rl-phase; the benchmark's "bench" is only recorded (--bench selects it)
     rollout_split: str | None = None  # --rollout-split, which only --rl-phase rollout takes
 
     @property
