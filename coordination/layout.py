@@ -236,6 +236,11 @@ class RunLayout:
     def stop_file(self) -> Path:
         return self.root / "STOP"
 
+    def write_probe(self, host: str, pid: int, token: str) -> Path:
+        """The file a start writes and removes to prove the run folder takes a real write; a temp
+        name (records.is_temp_name), so `recover` clears one a crash left behind."""
+        return self.root / f".write-probe.tmp-{host}-{pid}-{token}"
+
     def job(self, job: str) -> "JobLayout":
         _check_job(job)
         return JobLayout(self, job)

@@ -135,7 +135,7 @@ def check_log_path(root: Path) -> None:
         ensure_dir(root)
         # A real write, not os.access: access() answers for the real uid and misses ACLs, root
         # squashing on NFS and quotas. The probe has a temp name, so `recover` knows it too.
-        probe = root / f".write-probe.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe = RunLayout(root).write_probe(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:8])
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, b"x")
