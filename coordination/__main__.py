@@ -119,17 +119,14 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
 def _finished_jobs(layout, run_id: str) -> dict[str, str] | None:
     """{job: why it stopped} when every job of the run has stopped; None while any still runs."""
     from coordination.layout import JOBS
-    from coordination.records import RecordError, try_read
+    from coordination.records import read_or_none
 
     stopped = {}
     for job in JOBS:
         jl = layout.job(job)
         if not jl.job_json.exists():
             continue
-        try:
-            prog = try_read(jl.progress_json, kind="progress", run_id=run_id)
-        except RecordError:
-            prog = None
+        prog = read_or_none(jl.progress_json, kind="progress", run_id=run_id)
         if prog is None or not prog.data.get("stopped"):
             return None
         stopped[job] = f"stopped after iteration {prog.data['completed_iteration']}: {prog.data['stopped']}"

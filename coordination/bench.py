@@ -39,7 +39,7 @@ _TALKER = ("import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile
            "    print('talker at', time.monotonic(), flush=True)\n    time.sleep(0.1)\n")
 
 
-def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: dict, fail: dict,
+def bench_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: dict, fail: dict,
              max_attempts: int, coord: dict, slow_iterations: int = 0, talker: bool = False) -> int:
     from coordination import exits, log as blog
     from coordination.children import run_watched
@@ -233,7 +233,7 @@ def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_
         coord = {"heartbeat_interval": heartbeat_interval, "peer_timeout": peer_timeout,
                  "rejoin_timeout": rejoin_timeout, "gc_keep_iterations": gc_keep_iterations,
                  "join_timeout": join_timeout}
-        sys.exit(run_node(log_path, node_rank, nodes, iterations, slow=_parse_specs(slow, "--slow"),
+        sys.exit(bench_node(log_path, node_rank, nodes, iterations, slow=_parse_specs(slow, "--slow"),
                           fail={k: int(v) for k, v in _parse_specs(fail, "--fail").items()},
                           max_attempts=max_attempts, coord=coord, slow_iterations=slow_iterations, talker=talker))
     if iterations < 2:

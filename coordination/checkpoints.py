@@ -164,7 +164,7 @@ def _move_latest(layout: RunLayout, iteration: int, run_id: str) -> None:
     current = read_latest(layout, run_id=run_id)
     if current is not None and current[0] >= iteration:
         return  # never backwards: a late publication of an old iteration must not undo a newer one
-    publish_record(layout.latest, "latest", {"iteration": iteration, "path": f"iter-{iteration}"},
+    publish_record(layout.latest, "latest", {"iteration": iteration, "path": layout.checkpoint(iteration).name},
                    run_id=run_id, generation=0)
 
 
@@ -264,7 +264,8 @@ def apply_retention(layout: RunLayout, *, keep_last: int, protected: set[int]) -
         if iteration in keep or (latest_iter is not None and iteration > latest_iter):
             continue
         check_no_links(layout.checkpoint(iteration))
-        trash = ensure_dir(layout.checkpoint_trash_dir) / f"iter-{iteration}-{os.getpid()}"
+        ensure_dir(layout.checkpoint_trash_dir)
+        trash = layout.checkpoint_trash(iteration, os.getpid())
         os.rename(layout.checkpoint(iteration), trash)
         remove_tree(trash, ignore_errors=True)
         removed.append(iteration)

@@ -41,7 +41,7 @@ from coordination.clock import Clock
 from coordination.config import CoordinationConfig
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
 from coordination.layout import JobLayout
-from coordination.records import Fenced, FenceGuard, RecordError, create_record, ensure_dir, try_read  # noqa: F401 - Fenced is caught as claims.Fenced
+from coordination.records import Fenced, FenceGuard, create_record, ensure_dir, read_or_none  # noqa: F401 - Fenced is caught as claims.Fenced
 
 log = logging.getLogger("baton.claims")
 
@@ -110,10 +110,7 @@ class Holder:
 
 def read_holder(job: JobLayout, rank: int, gen: int) -> Holder:
     """The holder named by claim-`gen` (host '?' when the file is torn or not written yet)."""
-    try:
-        rec = try_read(job.claim(rank, gen), kind=KIND)
-    except RecordError:
-        rec = None
+    rec = read_or_none(job.claim(rank, gen), kind=KIND)
     if rec is None:
         return Holder(gen, "?", -1)
     return Holder(gen, rec.data.get("host", "?"), int(rec.data.get("pid", -1)), rec.data)
@@ -205,10 +202,7 @@ class RankClaim:
 
     # -- fencing ---------------------------------------------------------------------------
     def _newer_heartbeat(self) -> bool:
-        try:
-            rec = try_read(self.job.heartbeat(self.rank), kind=HEARTBEAT_KIND, run_id=self.run_id)
-        except RecordError:
-            return False
+        rec = read_or_none(self.job.heartbeat(self.rank), kind=HEARTBEAT_KIND, run_id=self.run_id)
         return rec is not None and rec.generation > self.generation
 
     def is_fenced(self, probe: bool = True) -> bool:

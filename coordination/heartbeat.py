@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from coordination.clock import Clock
-from coordination.records import Fenced, Record, RecordError, publish_record, try_read
+from coordination.records import Fenced, Record, publish_record, read_or_none
 
 log = logging.getLogger("baton.heartbeat")
 
@@ -228,10 +228,7 @@ class LivenessTracker:
         return PeerView(rank, last_rec, first_seen, last_change, silent, silent > self.peer_timeout, exited)
 
     def read(self, path: Path, rank: int, *, run_id: str, min_generation: int = 0) -> PeerView:
-        try:
-            rec = try_read(path, kind=KIND, run_id=run_id)
-        except RecordError:  # another run's file: not this peer's sign of life
-            rec = None
+        rec = read_or_none(path, kind=KIND, run_id=run_id)  # another run's file: not this peer's sign of life
         return self.observe(rank, rec, min_generation)
 
     def last_record(self, rank: int) -> Record | None:

@@ -14,13 +14,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-JOBS = ("both", "rollout", "update", "eval", "bench")  # eval: --rl-phase rollout --rollout-split eval-only;
-# bench: run.sh --bench (the trainer's benchmark as one torchrun over the nodes)
+from coordination.phases import JOB_PHASES
+
+JOBS = tuple(JOB_PHASES)  # the job names of the phase table, in its order (what each does: rl/jobs.py)
 SPLITS = ("train", "eval")
 
 _CLAIM_RE = re.compile(r"^claim-(\d+)$")
 _CHUNK_RE = re.compile(r"^chunk-(\d+)-g(\d+)\.parquet$")
 _ITER_RE = re.compile(r"^iter-(\d+)$")
+_RESULT_RE = re.compile(r"^result-rank-(\d+)\.json$")
 
 
 class LinkInRunFolder(RuntimeError):
@@ -148,6 +150,10 @@ def _check_split(split: str) -> None:
         raise ValueError(f"rollout split must be one of {', '.join(SPLITS)} (got {split!r})")
 
 
+def _listed(folder: Path, pattern: str) -> list[Path]:
+    return sorted(folder.glob(pattern)) if folder.is_dir() else []
+
+
 def iteration_number(name: str) -> int | None:
     """`iter-12` -> 12; anything else -> None."""
     m = _ITER_RE.match(name)
@@ -220,9 +226,20 @@ class RunLayout:
     def config_changes_dir(self) -> Path:
         return self.root / "config-changes"
 
+    def config_change_count(self) -> int:
+        """How many config changes are recorded (a directory listing: once per `--resume`)."""
+        if not self.config_changes_dir.exists():
+            return 0
+        return sum(1 for p in self.config_changes_dir.iterdir() if re.fullmatch(r"change-\d{4,}\.json", p.name))
+
     @property
     def stop_file(self) -> Path:
         return self.root / "STOP"
+
+    def write_probe(self, host: str, pid: int, token: str) -> Path:
+        """The file a start writes and removes to prove the run folder takes a real write; a temp
+        name (records.is_temp_name), so `recover` clears one a crash left behind."""
+        return self.root / f".write-probe.tmp-{host}-{pid}-{token}"
 
     def job(self, job: str) -> "JobLayout":
         _check_job(job)
@@ -275,9 +292,20 @@ class RunLayout:
                              f"(expected <log-path>/training/iter-N/plan.json)")
         return layout, iteration
 
+    def training_attempt_dir(self, iteration: int, attempt: int) -> Path:
+        return self.training_dir(iteration) / f"attempt-{attempt}"
+
     def training_result(self, iteration: int, attempt: int, rank: int) -> Path:
         """Per-trainer-rank summary of one attempt (loss, tokens/s, ...)."""
-        return self.training_dir(iteration) / f"attempt-{attempt}" / f"result-rank-{rank}.json"
+        return self.training_attempt_dir(iteration, attempt) / f"result-rank-{rank}.json"
+
+    def training_result_ranks(self, iteration: int, attempt: int) -> list[int]:
+        """The trainer ranks that wrote a result of this attempt, ascending (a directory listing)."""
+        try:
+            names = [p.name for p in self.training_attempt_dir(iteration, attempt).iterdir()]
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _RESULT_RE.match(n)))
 
     # -- checkpoints -------------------------------------------------------------------------
     @property
@@ -306,6 +334,10 @@ class RunLayout:
         checkpoint folder either whole or not at all."""
         return self.checkpoints_dir / ".trash"
 
+    def checkpoint_trash(self, iteration: int, pid: int) -> Path:
+        """Checkpoint `iteration` renamed away by process `pid` (two nodes' retention never collide)."""
+        return self.checkpoint_trash_dir / f"iter-{iteration}-{pid}"
+
     @property
     def latest(self) -> Path:
         return self.checkpoints_dir / "LATEST"
@@ -321,6 +353,18 @@ class RunLayout:
     @property
     def timeline_dir(self) -> Path:
         return self.root / "timeline"
+
+    @property
+    def trainer_timeline_dir(self) -> Path:
+        return self.timeline_dir / "trainer"
+
+    def timeline_files(self) -> list[Path]:
+        """Every job's rank timelines, by name (a directory listing)."""
+        return _listed(self.timeline_dir, "*-rank-*.jsonl")
+
+    def trainer_timeline_files(self) -> list[Path]:
+        """Every node's resident-trainer timeline, by name (a directory listing)."""
+        return _listed(self.trainer_timeline_dir, "*-rank-*.jsonl")
 
     @property
     def tensorboard_dir(self) -> Path:
@@ -443,7 +487,7 @@ class JobLayout:
 
     def trainer_timeline(self, rank: int) -> Path:
         """The state changes of node `rank`'s resident trainer (written by its local rank 0)."""
-        return self.run.timeline_dir / "trainer" / f"{self.name}-rank-{rank}.jsonl"
+        return self.run.trainer_timeline_dir / f"{self.name}-rank-{rank}.jsonl"
 
     def logs_dir(self, rank: int) -> Path:
         return self.run.root / "logs" / self.name / f"rank-{rank}"

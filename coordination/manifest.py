@@ -32,7 +32,7 @@ from coordination.clock import Backoff, Clock
 from coordination.config import dict_hash, differences, redact
 from coordination.layout import JobLayout, RunLayout
 from coordination.records import (RecordError, create_record, ensure_dir, is_temp_name, open_own, publish_bytes,
-                                  publish_record, try_read)
+                                  publish_record, read_or_none)
 from coordination.settle import DEFAULT_SETTLE, KEY as SETTLE_KEY, DamagedRecord, NotVisibleYet, read_settled
 
 log = logging.getLogger("baton.manifest")
@@ -135,7 +135,7 @@ def check_log_path(root: Path) -> None:
         ensure_dir(root)
         # A real write, not os.access: access() answers for the real uid and misses ACLs, root
         # squashing on NFS and quotas. The probe has a temp name, so `recover` knows it too.
-        probe = root / f".write-probe.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe = RunLayout(root).write_probe(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:8])
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, b"x")
@@ -224,7 +224,7 @@ def accept_resume(layout: RunLayout, info: RunInfo) -> None:
     change = info.pending
     if change is None:
         return
-    n = len(list(layout.config_changes_dir.glob("change-*.json"))) + 1 if layout.config_changes_dir.exists() else 1
+    n = layout.config_change_count() + 1
     publish_record(layout.config_change(n), "config-change",
                    {"from_hash": change.from_hash, "to_hash": change.to_hash, "changes": change.changes,
                     "by": f"{socket.gethostname()}:{os.getpid()}"}, run_id=info.run_id, generation=0)
@@ -406,10 +406,7 @@ def publish_master(job: JobLayout, run_id: str, generation: int, addr: str) -> N
 
 
 def read_master(job: JobLayout, run_id: str) -> dict | None:
-    try:
-        rec = try_read(job.master_json, kind="master", run_id=run_id)
-    except RecordError:
-        return None
+    rec = read_or_none(job.master_json, kind="master", run_id=run_id)
     return None if rec is None else dict(rec.data, generation=rec.generation)
 
 

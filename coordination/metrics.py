@@ -5,23 +5,33 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from coordination import timeline
-from coordination.layout import JobLayout, RunLayout
+from coordination.layout import JobLayout, RunLayout, iteration_number
 from coordination.phases import BY_NUMBER
-from coordination.records import RecordError, try_read
+from coordination.records import read_or_none
 
 # Rollout stats copied to the top level of the record (as train_<key>) for plots and status.
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "pass_at_1", "groups_all_solved", "groups_none_solved", "truncated",
                 "reward_timeouts")
 
 
+def iteration_metrics(layout: RunLayout, *, newest_first: bool = False) -> Iterator[dict[str, Any]]:
+    """Each iteration's metrics record (its data plus `iteration`), in iteration order; a file that is
+    not a whole metrics record (half written, another run's) is skipped. `status` and `report` both
+    read the records through this; lazy, so `status` reads back only as far as it needs."""
+    if not layout.metrics_dir.exists():
+        return
+    found = sorted((n, p) for p in layout.metrics_dir.iterdir() if (n := iteration_number(p.stem)) is not None)
+    for n, p in reversed(found) if newest_first else found:
+        rec = read_or_none(p, kind="metrics")
+        if rec is not None:
+            yield dict(rec.data, iteration=n)
+
+
 def _data(path: Path, kind: str | None, run_id: str) -> dict | None:
-    try:
-        rec = try_read(path, kind=kind, run_id=run_id)
-    except RecordError:
-        return None
+    rec = read_or_none(path, kind=kind, run_id=run_id)
     return rec.data if rec else None
 
 
@@ -46,13 +56,11 @@ def phase_seconds(job: JobLayout, num_nodes: int, iteration: int) -> dict[str, d
 
 
 def training_results(layout: RunLayout, iteration: int, attempt: int, run_id: str) -> dict[str, dict]:
-    folder = layout.training_result(iteration, attempt, 0).parent
     out = {}
-    if folder.exists():
-        for p in sorted(folder.glob("result-rank-*.json")):
-            d = _data(p, None, run_id)
-            if d is not None:
-                out[p.stem.removeprefix("result-rank-")] = d
+    for rank in layout.training_result_ranks(iteration, attempt):
+        d = _data(layout.training_result(iteration, attempt, rank), None, run_id)
+        if d is not None:
+            out[str(rank)] = d
     return out
 
 

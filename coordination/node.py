@@ -20,7 +20,7 @@ from coordination.clock import Backoff, Clock
 from coordination.config import CoordinationConfig
 from coordination.heartbeat import HeartbeatWriter, LivenessTracker, PeerView
 from coordination.layout import JobLayout, RunLayout
-from coordination.records import FenceGuard, PatientReader, RecordError, install_fence, try_read
+from coordination.records import FenceGuard, PatientReader, install_fence, read_or_none
 from coordination.stall import MainThreadWatch
 
 log = logging.getLogger("baton.node")
@@ -165,10 +165,7 @@ class Node:
         if rank not in self._hints:
             hint = ""
             for gen in reversed(self.job.claim_generations(rank)):
-                try:
-                    rec = try_read(self.job.claim(rank, gen), kind=CLAIM_KIND)
-                except RecordError:
-                    rec = None
+                rec = read_or_none(self.job.claim(rank, gen), kind=CLAIM_KIND)
                 if rec is not None:
                     cmd = rec.data.get("command") or ""
                     hint = f"on host {rec.data.get('host')}: {cmd}" if cmd else f"on host {rec.data.get('host')}"

@@ -466,6 +466,16 @@ def try_read(path: Path, *, kind: str | None = None, run_id: str | None = None) 
         return None
 
 
+def read_or_none(path: Path, *, kind: str | None = None, run_id: str | None = None) -> Record | None:
+    """`read_record`, but None for anything that is not a whole record of this run: missing, half
+    written, damaged or another run's. For readers that only show or probe what is there and try again
+    later; those that must tell a foreign or broken record apart use `try_read` or `read_record`."""
+    try:
+        return read_record(path, kind=kind, run_id=run_id)
+    except RecordError:
+        return None
+
+
 class PatientReader:
     """Reads records that may be half-written for a while, and reports those that stay broken.
 

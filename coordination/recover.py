@@ -26,7 +26,7 @@ from coordination.heartbeat import KIND as HEARTBEAT_KIND
 from coordination.layout import JOBS, LinkInRunFolder, RunLayout, barrier_identity, check_no_links, iteration_number, \
     staging_identity
 from coordination.phases import BY_NUMBER, PHASES
-from coordination.records import RecordError, is_temp_name, publish_record, remove_tree, temp_writer, try_read
+from coordination.records import is_temp_name, publish_record, read_or_none, remove_tree, temp_writer, try_read
 from coordination.status import GONE, StatusReader
 
 
@@ -201,10 +201,7 @@ def _check_nothing_runs(layout: RunLayout, snap: dict) -> None:
     for j in snap["jobs"]:
         jl = layout.job(j["job"])
         for r in j["ranks"]:
-            try:
-                rec = try_read(jl.heartbeat(r["rank"]), kind=HEARTBEAT_KIND, run_id=run_id)
-            except RecordError:
-                rec = None
+            rec = read_or_none(jl.heartbeat(r["rank"]), kind=HEARTBEAT_KIND, run_id=run_id)
             now = [rec.data.get("nonce"), rec.data.get("counter"), rec.generation] if rec else None
             if now is not None and now != r.get("beat"):
                 raise RecoverRefused(f"{_describe(r, j['job'])} wrote a heartbeat while recover watched; "
@@ -222,10 +219,7 @@ def apply(log_path: Path, items: list[Item], rollback: dict[str, int], snap: dic
     run = try_read(layout.run_json, kind="run")
     for job, completed in rollback.items():
         jl = layout.job(job)
-        try:
-            prog = try_read(jl.progress_json, kind="progress", run_id=run.run_id)
-        except RecordError:
-            prog = None
+        prog = read_or_none(jl.progress_json, kind="progress", run_id=run.run_id)
         if prog is not None and int(prog.data["completed_iteration"]) > completed:
             publish_record(jl.progress_json, "progress", {"completed_iteration": completed, "stopped": None},
                            run_id=run.run_id, generation=prog.generation)

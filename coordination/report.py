@@ -16,33 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from coordination import timeline
-from coordination.layout import JOBS, RunLayout, iteration_number
-from coordination.records import RecordError, atomic_output, ensure_dir, publish_bytes, try_read
-
-
-def load_metrics(layout: RunLayout) -> list[dict[str, Any]]:
-    out = []
-    if not layout.metrics_dir.exists():
-        return out
-    for p in layout.metrics_dir.iterdir():
-        n = iteration_number(p.stem)
-        if n is None:
-            continue
-        try:
-            rec = try_read(p, kind="metrics")
-        except RecordError:
-            rec = None
-        if rec is not None:
-            out.append(dict(rec.data, iteration=n))
-    return sorted(out, key=lambda m: m["iteration"])
+from coordination.layout import JOBS, RunLayout
+from coordination.metrics import iteration_metrics
+from coordination.records import atomic_output, ensure_dir, publish_bytes, try_read
 
 
 def load_spans(layout: RunLayout) -> list[dict[str, Any]]:
     """(job, rank, iteration, phase, kind, start, end) spans from every timeline file."""
     spans = []
-    if not layout.timeline_dir.exists():
-        return spans
-    for path in sorted(layout.timeline_dir.glob("*-rank-*.jsonl")):
+    for path in layout.timeline_files():
         open_: dict[tuple, dict] = {}
         for ev in timeline.read(path):
             kind = "wait" if ev["event"].startswith("wait") else "work"
@@ -65,11 +47,8 @@ def load_trainer_spans(layout: RunLayout, end: float | None = None) -> list[dict
     """(job, rank, state, iteration, start, end) of each node's resident trainer, from the state
     changes its local rank 0 appended to `timeline/trainer/` (docs/design.md §9.6). A state lasts
     until the next one; the last lasts until `end` (the end of the run's phases), else it is dropped."""
-    folder = layout.timeline_dir / "trainer"
     spans = []
-    if not folder.is_dir():
-        return spans
-    for path in sorted(folder.glob("*-rank-*.jsonl")):
+    for path in layout.trainer_timeline_files():
         events = sorted((e for e in timeline.read(path) if isinstance(e.get("wall"), (int, float))),
                         key=lambda e: e["wall"])
         for ev, nxt in zip(events, [*events[1:], None]):
@@ -334,7 +313,7 @@ def make_report(log_path: Path, out: Path | None = None) -> dict[str, Any]:
         raise FileNotFoundError(f"no baton run in {log_path} (no readable run.json); check --log-path")
     out = Path(out) if out else layout.report_dir
     ensure_dir(out)
-    metrics = load_metrics(layout)
+    metrics = list(iteration_metrics(layout))
     spans = load_spans(layout)
     trainer_spans = load_trainer_spans(layout, end=max((s["end"] for s in spans), default=None))
     pngs = [plot_learning(metrics, out), plot_timeline(spans, out, trainer_spans), plot_throughput(metrics, out),

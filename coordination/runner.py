@@ -24,7 +24,7 @@ from coordination.claims import Fenced
 from coordination.layout import check_no_links, iteration_number
 from coordination.node import Node, PeerLost
 from coordination.phases import PhaseSpec
-from coordination.records import RecordError, fence_check, publish_record, remove_tree, try_read
+from coordination.records import fence_check, publish_record, read_or_none, remove_tree
 
 log = logging.getLogger("baton.runner")
 
@@ -123,10 +123,7 @@ class PhaseRunner:
 
     # -- progress ----------------------------------------------------------------------------
     def progress(self) -> dict:
-        try:
-            rec = try_read(self.node.job.progress_json, kind="progress", run_id=self.node.run_id)
-        except RecordError:
-            rec = None
+        rec = read_or_none(self.node.job.progress_json, kind="progress", run_id=self.node.run_id)
         return rec.data if rec else {"completed_iteration": 0, "stopped": None}
 
     def _event(self, it: int, spec: PhaseSpec, attempt: int, event: str, **extra) -> None:

@@ -20,9 +20,10 @@ import yaml
 
 from coordination.clock import Clock
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
-from coordination.layout import JOBS, RunLayout, iteration_number
+from coordination.layout import JOBS, RunLayout
+from coordination.metrics import iteration_metrics
 from coordination.phases import phase_name
-from coordination.records import RecordError, try_read
+from coordination.records import read_or_none
 
 
 @dataclass
@@ -73,19 +74,12 @@ class JobStatus:
     waiting: str
 
 
-def _read(path: Path, kind: str, run_id: str | None):
-    try:
-        return try_read(path, kind=kind, run_id=run_id)
-    except RecordError:
-        return None
-
-
 def _trainer_states(jl, rank: int, run_id: str) -> list[dict[str, Any]]:
     """The resident trainer processes of node `rank` (train/resident.py writes `state-L.json` per
     local rank, the record kind "resident-trainer"): local ranks 0, 1, ... up to the first missing."""
     out = []
     for local in range(1024):
-        rec = _read(jl.trainer_state(rank, local), "resident-trainer", run_id)
+        rec = read_or_none(jl.trainer_state(rank, local), kind="resident-trainer", run_id=run_id)
         if rec is None:
             break
         d = rec.data
@@ -105,28 +99,15 @@ def trainer_line(rank: int, states: list[dict[str, Any]]) -> str:
     return f"  rank {rank} trainer: " + "; ".join(parts)
 
 
-def _metrics_newest_first(layout: RunLayout):
-    if not layout.metrics_dir.exists():
-        return
-    its = sorted((n, p) for p in layout.metrics_dir.iterdir() if (n := iteration_number(p.stem)) is not None)
-    for n, p in reversed(its):
-        try:
-            rec = try_read(p, kind="metrics")
-        except RecordError:
-            rec = None
-        if rec is not None:
-            yield dict(rec.data, iteration=n)
-
-
 def _latest_metrics(layout: RunLayout) -> dict[str, Any] | None:
-    return next(_metrics_newest_first(layout), None)
+    return next(iteration_metrics(layout, newest_first=True), None)
 
 
 def _last_values(layout: RunLayout) -> dict[str, dict[str, Any]]:
     """The newest train reward and eval accuracy, each from the newest iteration that has it: the
     final evaluation-only iteration has no train reward, most iterations no eval."""
     out: dict[str, dict[str, Any]] = {}
-    for m in _metrics_newest_first(layout):
+    for m in iteration_metrics(layout, newest_first=True):
         for key in ("train_reward_mean", "eval_accuracy"):
             if key not in out and isinstance(m.get(key), (int, float)):
                 out[key] = {"value": m[key], "iteration": m["iteration"],
@@ -172,7 +153,7 @@ class StatusReader:
             self.clock.sleep(min(poll, end - now))
 
     def snapshot(self) -> dict[str, Any]:
-        run = _read(self.layout.run_json, "run", None)
+        run = read_or_none(self.layout.run_json, kind="run")
         if run is None:
             raise FileNotFoundError(f"no baton run in {self.layout.root} (no readable run.json); check --log-path")
         run_id = run.run_id
@@ -180,10 +161,10 @@ class StatusReader:
         jobs = []
         for name in JOBS:
             jl = self.layout.job(name)
-            job = _read(jl.job_json, "job", run_id)
+            job = read_or_none(jl.job_json, kind="job", run_id=run_id)
             if job is None:
                 continue
-            prog = _read(jl.progress_json, "progress", run_id)
+            prog = read_or_none(jl.progress_json, kind="progress", run_id=run_id)
             rows = [self._rank_row(jl, name, r, run_id) for r in range(int(job.data["num_nodes"]))]
             for row in rows:
                 row.trainer = _trainer_states(jl, row.rank, run_id)
@@ -197,8 +178,8 @@ class StatusReader:
 
     def _rank_row(self, jl, job: str, rank: int, run_id: str) -> RankRow:
         gens = jl.claim_generations(rank)
-        claim = _read(jl.claim(rank, gens[-1]), "claim", None) if gens else None
-        hb = _read(jl.heartbeat(rank), HEARTBEAT_KIND, run_id)
+        claim = read_or_none(jl.claim(rank, gens[-1]), kind="claim") if gens else None
+        hb = read_or_none(jl.heartbeat(rank), kind=HEARTBEAT_KIND, run_id=run_id)
         if not gens and hb is None:
             return RankRow(job, rank, None, None, None, None, None, "-", None, "never-joined", "no heartbeat")
         # A superseded generation's heartbeat is no sign of life of the rank (min_generation).

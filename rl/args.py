@@ -6,16 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.jobs import KINDS, JobKind
+from rl.jobs import JobKind
 
 
 @dataclass
 class RunArgs:
     data_path: Path
     log_path: Path
-    rl_phase: str
+    kind: JobKind  # the job the flags select (rl/jobs.py): its name names the job everywhere
     eval_interval: int | None
-    rollout_split: str | None
     num_nodes: int
     rank_weights: list[float]
     rank: int
@@ -25,18 +24,7 @@ class RunArgs:
     configs: list[Path] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     command: str = ""
-    bench: dict | None = None  # --bench: the trainer's --bench-* options (rl_phase is "bench")
-
-    @property
-    def job(self) -> str:
-        if self.rl_phase == "rollout":
-            return "rollout" if self.rollout_split == "train-only" else "eval"
-        return self.rl_phase
-
-    @property
-    def kind(self) -> JobKind:
-        """What this job does (rl/jobs.py)."""
-        return KINDS[self.job]
+    bench: dict | None = None  # --bench: the trainer's --bench-* options (kind is BENCH)
 
     @property
     def is_master(self) -> bool:

@@ -31,7 +31,7 @@ from rl.args import RunArgs
 from rl.payloads import (EvalChoice, EvalResult, IterationSummary, Rendezvous, RolloutDone, SyncGo, TrainAggregated,
                          Trained)
 from rl.pipeline import wait_for_checkpoint, wait_for_rollouts
-from rl.plan import RUNS_WHEN, RunPlan, make_plan
+from rl.plan import RUNS_WHEN, RunPlan, job_plan
 from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
 from rl.training import TrainerLifecycle
@@ -90,7 +90,7 @@ class RLJob:
 
     def __init__(self, args: RunArgs, cfg: RunConfig, node: Node, plan: RunPlan | None = None):
         self.args, self.cfg, self.node = args, cfg, node
-        self.plan = plan or make_plan(args, cfg)
+        self.plan = plan or job_plan(args, cfg)
         self.kind = self.plan.kind
         self.layout: RunLayout = node.layout
         self._tokenizer = None
@@ -481,7 +481,7 @@ def _say_iteration_done(iteration: int, go, seconds: float) -> None:
 
 def run_node(args: RunArgs, cfg: RunConfig) -> int:
     """Everything one `scripts/run.sh` invocation does; returns the process exit code."""
-    logger = blog.setup(f"{args.job} rank{args.rank}")
+    logger = blog.setup(f"{args.kind.name} rank{args.rank}")
     layout = RunLayout(args.log_path)
     node = None
     job: RLJob | None = None
@@ -492,17 +492,17 @@ def run_node(args: RunArgs, cfg: RunConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        plan = make_plan(args, cfg)
-        node = join_job(layout, job=args.job, rank=args.rank, num_nodes=args.num_nodes,
-                        job_facts={"rank_weights": args.rank_weights, "rl_phase": args.rl_phase,
-                                   "rollout_split": args.rollout_split},
+        plan = job_plan(args, cfg)
+        node = join_job(layout, job=args.kind.name, rank=args.rank, num_nodes=args.num_nodes,
+                        job_facts={"rank_weights": args.rank_weights, "rl_phase": args.kind.rl_phase,
+                                   "rollout_split": args.kind.rollout_split},
                         config=to_dict(cfg), cfg=cfg.coordination, resume=args.resume, command=args.command)
         logfile = node.job.log_file(args.rank, "driver")
-        blog.setup(f"{args.job} rank{args.rank} gen{node.generation}", logfile, getattr(logging, cfg.logging.level))
+        blog.setup(f"{args.kind.name} rank{args.rank} gen{node.generation}", logfile, getattr(logging, cfg.logging.level))
         logger.info("logs of this rank: %s (driver), %s (inference), %s (trainer)", logfile,
                     node.job.log_file(args.rank, "inference"), node.job.log_file(args.rank, "trainer"))
-        job = (BenchJob if args.bench is not None else RLJob)(args, cfg, node, plan)
-        if node.is_master and args.bench is None:
+        job = (BenchJob if args.kind.benchmarks else RLJob)(args, cfg, node, plan)
+        if node.is_master and not args.kind.benchmarks:
             sinks.start(cfg.logging, layout)  # W&B / TensorBoard open in the background, off every phase
         runner = PhaseRunner(node, job.phases(), max_iterations=job.plan.last_iteration,
                              stop_requested=_stop_requested(layout),

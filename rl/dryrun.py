@@ -22,8 +22,8 @@ from coordination.config import MASK, ConfigError, differences, dump_yaml, is_se
 from coordination.layout import RunLayout
 from coordination.manifest import NODE_LOCAL_KEYS, JoinRefused, check_log_path_safe, master_address, read_config_yaml
 from coordination.phases import BY_NUMBER, phase_name
-from coordination.records import RecordError, try_read
-from rl.plan import RUNS_WHEN, make_plan
+from coordination.records import read_or_none
+from rl.plan import RUNS_WHEN, job_plan
 from rollout.engines.vllm_server import build_server
 from rollout.inference import resolve_dtype
 from train.checkpoint_size import checkpoint_size, format_checkpoint_size
@@ -31,29 +31,22 @@ from train.memory_plan import engine_on_gpu, format_plan, gpu_visible, make_plan
 from train.model_shape import ModelShape
 
 
-def _read(path: Path, kind: str, run_id: str | None = None):
-    try:
-        return try_read(path, kind=kind, run_id=run_id)
-    except RecordError:
-        return None
-
-
 def standing(layout: RunLayout, args, cfg) -> tuple[int, list[str], bool]:
     """(next iteration, lines saying where the recorded run stands, whether the job is finished)."""
-    run = _read(layout.run_json, "run")
+    run = read_or_none(layout.run_json, kind="run")
     if run is None:
         who = "creates it" if args.is_master else "waits for the master to create it"
         return 1, [f"no run in {layout.root} yet: this command {who}"], False
     lines = [f"run {run.run_id} in {layout.root}"]
-    prog = _read(layout.job(args.job).progress_json, "progress", run.run_id)
+    prog = read_or_none(layout.job(args.kind.name).progress_json, kind="progress", run_id=run.run_id)
     done = int(prog.data.get("completed_iteration", 0)) if prog else 0
     finished = bool(prog and prog.data.get("stopped"))
     if finished:
-        lines.append(f"job {args.job} is finished: it stopped after iteration {done} ({prog.data['stopped']}). "
+        lines.append(f"job {args.kind.name} is finished: it stopped after iteration {done} ({prog.data['stopped']}). "
                      f"Running this command again does nothing.")
     else:
-        beat = _read(layout.job(args.job).heartbeat(args.rank), "heartbeat", run.run_id)
-        at = f"job {args.job} is at iteration {done + 1}"
+        beat = read_or_none(layout.job(args.kind.name).heartbeat(args.rank), kind="heartbeat", run_id=run.run_id)
+        at = f"job {args.kind.name} is at iteration {done + 1}"
         if beat is not None and beat.data.get("iteration") is not None:
             d = beat.data
             at += (f"; rank {args.rank} last reported iteration {d['iteration']}, phase {d.get('phase')} "
@@ -77,7 +70,7 @@ def dry_run(args, cfg, problems: list) -> int:
     layout = RunLayout(args.log_path)
     it, where, finished = standing(layout, args, cfg)
     role = "master" if args.is_master else f"worker {args.rank}"
-    echo(f"# dry run: job {args.job}, {role} of {args.num_nodes} node(s); nothing is written")
+    echo(f"# dry run: job {args.kind.name}, {role} of {args.num_nodes} node(s); nothing is written")
     echo("\n## where the run stands\n")
     echo("\n".join(where))
     refused = _refusals(args, problems)
@@ -87,7 +80,7 @@ def dry_run(args, cfg, problems: list) -> int:
     echo("\n## resolved config\n")
     echo(dump_yaml(cfg))
 
-    plan = make_plan(args, cfg)
+    plan = job_plan(args, cfg)
     kind = plan.kind
     echo("## inputs\n")
     for message in refused:
@@ -145,7 +138,7 @@ def dry_run(args, cfg, problems: list) -> int:
                  f"on {policy}")
     if kind.trains:
         addr = master_address(cfg.coordination.master_addr)
-        cmd = plan.torchrun_argv(layout, it, 1, args.rank, endpoint=f"{addr}:29500", rdzv_id=f"RUN-{args.job}-i{it}-a1",
+        cmd = plan.torchrun_argv(layout, it, 1, args.rank, endpoint=f"{addr}:29500", rdzv_id=f"RUN-{kind.name}-i{it}-a1",
                                 is_host=args.is_master, local_addr=addr if args.is_master else "THIS_NODE_ADDR")
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
@@ -154,8 +147,8 @@ def dry_run(args, cfg, problems: list) -> int:
         if plan.resident_trainer:
             echo("    (train.resident: launched once, at phase 0 so that it starts during the rollouts, and kept "
                  "across iterations; each iteration's plan reaches it as an order record, docs/design.md §9.6)")
-        if args.bench is not None:
-            echo(f"    ({layout.job('bench').bench_config(args.rank)} holds this run's `train` section)")
+        if args.kind.benchmarks:
+            echo(f"    ({layout.job(kind.name).bench_config(args.rank)} holds this run's `train` section)")
     if not memory_plan(args, cfg, kind) and kind.trains:
         disk_use(cfg)
     return _verdict(refused)

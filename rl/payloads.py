@@ -13,11 +13,11 @@ from typing import ClassVar, TypeVar
 from coordination.phases import PhaseId
 from coordination.runner import Step
 
-R = TypeVar("R", bound="Record")
+R = TypeVar("R", bound="Payload")
 
 
 @dataclass(frozen=True)
-class Record:
+class Payload:
     phase: ClassVar[PhaseId]  # the phase whose GO (or arrival) carries this record
 
     def to_dict(self) -> dict:
@@ -29,12 +29,12 @@ class Record:
 
     @classmethod
     def of(cls: type[R], step: Step) -> R:
-        """The record in the GO of `cls.phase` this iteration (defaults when that GO has none)."""
+        """The payload in the GO of `cls.phase` this iteration (defaults when that GO has none)."""
         return cls.from_dict(step.go_payload(cls.phase))
 
 
 @dataclass(frozen=True)
-class SyncGo(Record):
+class SyncGo(Payload):
     """Phase 0 GO: for a job that waits for checkpoints, the policy every rank samples from; with
     resident trainers and none alive on every node, `trainer`, the Rendezvous (as a dict) where
     every node launches its trainer now, so that it loads during the rollouts (docs/design.md §9.6)."""
@@ -44,7 +44,7 @@ class SyncGo(Record):
 
 
 @dataclass(frozen=True)
-class RolloutDone(Record):
+class RolloutDone(Payload):
     """Phase 1 / 5 arrival: what this rank's rollouts produced."""
     phase: ClassVar[PhaseId] = PhaseId.TRAIN_ROLLOUT
     tasks: int = 0
@@ -55,7 +55,7 @@ class RolloutDone(Record):
 
 
 @dataclass(frozen=True)
-class TrainAggregated(Record):
+class TrainAggregated(Payload):
     """Phase 3 arrival of the master: the headline numbers of the aggregated train rollouts."""
     phase: ClassVar[PhaseId] = PhaseId.AGGREGATE_TRAIN
     stats: dict = field(default_factory=dict)  # tasks, samples, reward_mean, pass_at_1
@@ -66,21 +66,21 @@ class TrainAggregated(Record):
 
 
 @dataclass(frozen=True)
-class EvalChoice(Record):
+class EvalChoice(Payload):
     """Phase 4 GO: whether this iteration evaluates (phases 5 and 6 run)."""
     phase: ClassVar[PhaseId] = PhaseId.TRAIN_FILES_READY
     eval: bool = False
 
 
 @dataclass(frozen=True)
-class EvalResult(Record):
+class EvalResult(Payload):
     """Phase 6 GO: the eval accuracy the master aggregated."""
     phase: ClassVar[PhaseId] = PhaseId.AGGREGATE_EVAL
     eval_accuracy: float | None = None
 
 
 @dataclass(frozen=True)
-class IterationSummary(Record):
+class IterationSummary(Payload):
     """Phase 13 GO: the numbers every node prints when the iteration ends."""
     phase: ClassVar[PhaseId] = PhaseId.ITERATION_DONE
     train_reward_mean: float | None = None
@@ -89,7 +89,7 @@ class IterationSummary(Record):
 
 
 @dataclass(frozen=True)
-class Rendezvous(Record):
+class Rendezvous(Payload):
     """Phase 9 GO (and the payload of a phase-10 retry): where this attempt's torchrun agents meet,
     or, with resident trainers (docs/design.md §9.6), `reuse`: the launch every node keeps serving."""
     phase: ClassVar[PhaseId] = PhaseId.TRAINING_READY
@@ -110,14 +110,14 @@ class Rendezvous(Record):
 
 
 @dataclass(frozen=True)
-class TrainerReady(Record):
+class TrainerReady(Payload):
     """Phase 0 and phase 9 arrival: the launch of this node's resident trainer, if one is alive."""
     phase: ClassVar[PhaseId] = PhaseId.TRAINING_READY
     trainer: str | None = None
 
 
 @dataclass(frozen=True)
-class Trained(Record):
+class Trained(Payload):
     """Phase 10 GO: the attempt whose staging folder phase 11 publishes."""
     phase: ClassVar[PhaseId] = PhaseId.TRAIN
     attempt: int = 1

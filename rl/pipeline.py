@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from coordination.checkpoints import read_latest
 from coordination.heartbeat import LivenessTracker
 from coordination.node import PeerLost
-from coordination.records import RecordError, try_read
+from coordination.records import read_or_none
+from rl.jobs import PRODUCER, JobKind
 
 if TYPE_CHECKING:
     from rl.driver import RLJob
@@ -20,9 +21,9 @@ log = logging.getLogger("baton.pipeline")
 class OtherJobWatch:
     """Judges the master of another job of the same run on this node's clock."""
 
-    def __init__(self, rl: "RLJob", other: str):
-        self.rl = rl
-        self.other = rl.layout.job(other)
+    def __init__(self, rl: "RLJob", other: JobKind):
+        self.rl, self.other_kind = rl, other
+        self.other = rl.layout.job(other.name)
         node = rl.node
         self.tracker = LivenessTracker(node.cfg.peer_timeout, node.clock)
         self.lost_since: float | None = None
@@ -40,8 +41,8 @@ class OtherJobWatch:
             self.lost_since = now
             state = "not started" if view.record is None else ("gone" if view.exited else "lost")
             log.error("the master of the %s job is %s (%s); this job waits for its output. Start or restart it "
-                      "with --rl-phase %s and the same --log-path. Waiting up to %.0f s.", self.other.name, state,
-                      view.describe(), "update" if self.other.name == "update" else "rollout",
+                      "with %s and the same --log-path. Waiting up to %.0f s.", self.other.name, state,
+                      view.describe(), self.other_kind.flags,
                       node.cfg.rejoin_timeout)
         elif now - self.lost_since > node.cfg.rejoin_timeout:
             raise PeerLost(f"the master of the {self.other.name} job did not come back within "
@@ -59,7 +60,7 @@ def wait_for_checkpoint(rl: "RLJob", need: int) -> None:
     rl.node.say(f"waiting for checkpoint iteration >= {need} from the update job", beat=True)
     rl.node.wait_for(probe, what=f"checkpoint iteration {need} or newer (max_staleness "
                                  f"{rl.cfg.run.max_staleness})", peers=lambda: [],
-                     dirs=[rl.layout.checkpoints_dir], watch=OtherJobWatch(rl, "update"))
+                     dirs=[rl.layout.checkpoints_dir], watch=OtherJobWatch(rl, PRODUCER["checkpoint"]))
 
 
 def wait_for_rollouts(rl: "RLJob", iteration: int) -> None:
@@ -67,12 +68,8 @@ def wait_for_rollouts(rl: "RLJob", iteration: int) -> None:
     path = rl.layout.rollout_stats("train", iteration)
 
     def probe():
-        try:
-            rec = try_read(path, run_id=rl.node.run_id)
-        except RecordError:
-            return None
-        return True if rec is not None else None
+        return True if read_or_none(path, run_id=rl.node.run_id) is not None else None
 
     rl.node.say(f"waiting for the train rollouts of iteration {iteration}", beat=True)
     rl.node.wait_for(probe, what=f"the rollout job's train rollouts of iteration {iteration} ({path})",
-                     peers=lambda: [], dirs=[path.parent], watch=OtherJobWatch(rl, "rollout"))
+                     peers=lambda: [], dirs=[path.parent], watch=OtherJobWatch(rl, PRODUCER["rollouts"]))

@@ -46,7 +46,7 @@ class RunPlan:
         """What `torchrun ... -m train.trainer` gets at phase 10: for a resident trainer the run
         folder, job and node whose orders it serves (launched as `launch`); else the iteration's plan."""
         if self.resident_trainer:
-            return ["--resident", launch or "LAUNCH", "--log-path", str(layout.root), "--job", self.args.job,
+            return ["--resident", launch or "LAUNCH", "--log-path", str(layout.root), "--job", self.args.kind.name,
                     "--for-node", str(rank)]
         return ["--plan", str(layout.training_plan(iteration)), "--attempt", str(attempt)]
 
@@ -143,7 +143,7 @@ class BenchPlan(RunPlan):
     def trainer_args(self, layout: RunLayout, iteration: int, attempt: int, rank: int,
                      launch: str | None = None) -> list[str]:
         """The benchmark options, this run's `train` section (as a YAML file) and model."""
-        job = layout.job("bench")
+        job = layout.job(self.kind.name)
         out = ["--bench", "--config", str(job.bench_config(rank))]
         if self.cfg.model.path:
             out += ["--model", self.cfg.model.path]  # else the trainer writes the tiny model (the same on every node)
@@ -157,5 +157,6 @@ class BenchPlan(RunPlan):
         return out
 
 
-def make_plan(args: RunArgs, cfg: RunConfig) -> RunPlan:
-    return BenchPlan(args, cfg) if args.bench is not None else RunPlan(args, cfg)
+def job_plan(args: RunArgs, cfg: RunConfig) -> RunPlan:
+    """The plan of the job the flags select: a `BenchPlan` for the benchmark, else a `RunPlan`."""
+    return BenchPlan(args, cfg) if args.kind.benchmarks else RunPlan(args, cfg)

@@ -28,6 +28,7 @@ from click.core import ParameterSource
 from coordination.config import ConfigError, redact_argv
 from coordination.records import restrict_umask
 from rl.args import RunArgs
+from rl.jobs import RL_PHASES, kind_for
 from rl.validate import failures
 from rl.validate.flags import FLAG_RULES, Flags, node_rank
 from rollout.split import parse_rank_weights
@@ -42,10 +43,10 @@ USAGE_EPILOG = ("\b\nExamples: two nodes, the master on node A:\n\n"
 
 def _bench(bench: dict) -> tuple[dict | None, tuple[str, ...]]:
     """(the --bench-* options when --bench is given, else None; the --bench-* options given on the command line)."""
+    wanted = bench.pop("bench")
     ctx = click.get_current_context(silent=True)
-    given = tuple(k for k in bench if k != "bench" and ctx is not None
-                  and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
-    if not bench.pop("bench"):
+    given = tuple(k for k in bench if ctx is not None and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE)
+    if not wanted:
         return None, given
     if bench["bench_output_json"] is not None:  # the trainer's rank 0 may run in another node's folder
         bench["bench_output_json"] = bench["bench_output_json"].absolute()
@@ -71,9 +72,9 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
         raise click.UsageError("\n".join(map(str, problems)))
     _warn_literal_secrets(overrides)
     weights = parse_rank_weights(rank_weights) if rank_weights is not None else [1.0]
-    return RunArgs(Path(data_path), Path(log_path), "bench" if bench is not None else rl_phase, eval_interval,
-                   rollout_split, num_nodes, weights, node_rank(flags), debug_mode, resume, dry_run,
-                   [Path(c) for c in configs], list(overrides),
+    kind = kind_for(rl_phase, rollout_split, bench=bench is not None)
+    return RunArgs(Path(data_path), Path(log_path), kind, eval_interval, num_nodes, weights, node_rank(flags),
+                   debug_mode, resume, dry_run, [Path(c) for c in configs], list(overrides),
                    command=shlex.join(["scripts/run.sh"] + redact_argv(sys.argv[1:])), bench=bench)
 
 
@@ -83,7 +84,7 @@ def parse(data_path, log_path, rl_phase, eval_interval, rollout_split, num_nodes
               help="folder of task files (train.jsonl, eval.jsonl), the same on every node")
 @click.option("--log-path", required=True, type=click.Path(path_type=Path),
               help="run folder on the shared filesystem (NFS, Lustre, GPFS), the same on every node")
-@click.option("--rl-phase", type=click.Choice(["rollout", "update", "both"]), default=None,
+@click.option("--rl-phase", type=click.Choice(RL_PHASES), default=None,
               help="which phases this job runs: rollout 0-6, update 7-13, both 0-13 per iteration (required "
                    "unless --bench)")
 @click.option("--eval-interval", type=int, default=None,

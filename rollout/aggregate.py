@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from coordination import log
 from coordination.layout import RunLayout
-from coordination.records import NotThereYet, RecordError, WrongRun, publish_record, try_read
+from coordination.records import NotThereYet, WrongRun, publish_record, read_or_none
 from rollout import store
 from rollout.chunks import Manifest, RolloutError, chunk_path, parquet_rows, read_chunk, read_done
 from rollout.eval import eval_metrics, pass_at_k
@@ -173,10 +173,7 @@ def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manife
 
 def _stored(layout: RunLayout, split: str, iteration: int, run_id: str, key: dict[str, Any]) -> dict | None:
     """The stored stats when both outputs exist, belong to this run and were made from the same inputs."""
-    try:
-        rec = try_read(layout.rollout_stats(split, iteration), kind=STATS_KIND, run_id=run_id)
-    except RecordError:
-        return None
+    rec = read_or_none(layout.rollout_stats(split, iteration), kind=STATS_KIND, run_id=run_id)
     if rec is None or rec.data.get("inputs") != key:
         return None
     try:

@@ -14,7 +14,7 @@ from coordination.clock import Backoff, FakeClock
 from coordination.config import ConfigError, CoordinationConfig, load, option, section
 from coordination.layout import RunLayout, barrier_name, chunk_identity
 from coordination.records import (BrokenRecord, NotThereYet, PatientReader, WrongRun, create_record,
-                                  is_temp_name, publish_record, read_record)
+                                  is_temp_name, publish_record, read_or_none, read_record, try_read)
 
 
 def test_published_record_reads_back_with_envelope(tmp_path: Path):
@@ -51,6 +51,21 @@ def test_record_of_another_run_is_not_mistaken_for_this_run(tmp_path: Path):
     publish_record(p, "arrival", {"ok": True}, run_id="old-run", generation=1)
     with pytest.raises(WrongRun, match="old-run"):
         read_record(p, run_id="new-run")
+
+
+def test_read_or_none_gives_only_a_whole_record_of_this_run_where_try_read_still_refuses_another_run(tmp_path):
+    p = tmp_path / "rec.json"
+    assert read_or_none(p, run_id="r") is None                                    # missing
+    publish_record(p, "go", {"decision": "continue"}, run_id="r", generation=3)
+    raw = p.read_bytes()
+    assert read_or_none(p, kind="go", run_id="r").data == {"decision": "continue"}
+    assert read_or_none(p, kind="arrival", run_id="r") is None                    # another kind
+    p.write_bytes(raw[:len(raw) // 2])
+    assert read_or_none(p, run_id="r") is None                                    # half written
+    p.write_bytes(raw)
+    assert read_or_none(p, run_id="other") is None                                # another run's
+    with pytest.raises(WrongRun):
+        try_read(p, run_id="other")
 
 
 def test_garbage_record_is_retried_then_reported_as_broken(tmp_path: Path):
@@ -122,6 +137,28 @@ def test_layout_names_are_scoped_and_parseable(tmp_path: Path):
     assert chunk_identity(lay.rollout_chunk("train", 1, 0, 7, 3).name) == (7, 3)
     with pytest.raises(ValueError, match="job must be one of"):
         lay.job("nope")
+
+
+def test_layout_lists_the_files_it_names_and_nothing_else_in_their_folders(tmp_path: Path):
+    lay = RunLayout(tmp_path)
+    assert lay.training_result_ranks(2, 1) == [] and lay.config_change_count() == 0 and lay.timeline_files() == []
+    for rank in (10, 2, 0):
+        publish_record(lay.training_result(2, 1, rank), "result", {}, run_id="r", generation=0)
+    (lay.training_attempt_dir(2, 1) / "result-rank-x.json").write_text("{}")
+    (lay.training_attempt_dir(2, 1) / "notes.txt").write_text("")
+    assert lay.training_result_ranks(2, 1) == [0, 2, 10]
+    for n in (1, 2):
+        publish_record(lay.config_change(n), "config-change", {}, run_id="r", generation=0)
+    (lay.config_changes_dir / "change-draft.json").write_text("{}")
+    assert lay.config_change_count() == 2
+    lines = [lay.job("both").timeline(1), lay.job("eval").timeline(0), lay.job("both").trainer_timeline(0)]
+    for path in lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    assert lay.timeline_files() == sorted(lines[:2]) and lay.trainer_timeline_files() == [lines[2]]
+    # Two processes' retention renaming the same checkpoint away never pick one name.
+    assert lay.checkpoint_trash(4, 77) != lay.checkpoint_trash(4, 78)
+    assert lay.checkpoint_trash(4, 77).parent == lay.checkpoint_trash_dir
 
 
 @dataclass

@@ -10,6 +10,7 @@ from coordination.config import load
 from rl.driver import RLJob
 from coordination.layout import RunLayout
 from rl.args import RunArgs
+from rl.jobs import BOTH
 from rl.runconfig import RunConfig
 from coordination.runner import Step
 from coordination.phases import BY_NUMBER
@@ -64,7 +65,7 @@ class FakeNode:
 ])
 def test_engine_between_iterations(monkeypatch, tmp_path, mode, expected):
     cfg = load(RunConfig, [], [f"inference.between_iterations={mode}", "model.path=/m", "run.max_iterations=3"])
-    args = RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0)
+    args = RunArgs(Path("/d"), tmp_path, BOTH, 1, 1, [1.0], 0)
     job = RLJob(args, cfg, FakeNode(tmp_path))
     engine = RecordingEngine()
     monkeypatch.setattr("rollout.engines.make_engine", lambda *a, **k: engine)
@@ -120,7 +121,7 @@ def test_adapters_only_checkpoints_are_served_as_the_base_plus_their_adapter(mon
                        {"lora": {"rank": 4, "publish": "adapters", "base": str(base)}}, run_id="r", generation=0)
     cfg = load(RunConfig, [], [f"inference.between_iterations={mode}", f"model.path={base}", "run.max_iterations=3",
                                "train.lora.rank=4", "train.lora.publish=adapters"])
-    args = RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0)
+    args = RunArgs(Path("/d"), tmp_path, BOTH, 1, 1, [1.0], 0)
     job = RLJob(args, cfg, FakeNode(tmp_path))
     engine = AdapterRecordingEngine()
     monkeypatch.setattr("rollout.engines.make_engine", lambda *a, **k: engine)

@@ -16,6 +16,7 @@ from coordination.runner import Step
 from rl.args import RunArgs
 from rl.driver import RLJob
 from rl.payloads import SyncGo
+from rl.jobs import BOTH, UPDATE
 from rl.runconfig import RunConfig
 from rl.training import TrainerLifecycle
 
@@ -46,7 +47,7 @@ class RecordingTrainer:
 
 def _job(tmp_path, monkeypatch, *over: str, nodes: int = 2, rank: int = 0, generation: int = 1) -> RLJob:
     cfg = load(RunConfig, [], ["model.path=/m", "run.max_iterations=3", "run.eval_interval=1", *over])
-    args = RunArgs(Path("/d"), tmp_path, "both", 1, None, nodes, [1.0] * nodes, rank)
+    args = RunArgs(Path("/d"), tmp_path, BOTH, 1, nodes, [1.0] * nodes, rank)
     job = RLJob(args, cfg, FakeNode(tmp_path, rank, generation))
     monkeypatch.setattr(TrainerLifecycle, "rendezvous", lambda self, it, attempt, early=False:
                         {"addr": "10.0.0.1", "port": 29400, "attempt": attempt,
@@ -120,7 +121,7 @@ def test_a_node_launches_once_and_loads_early_only_without_a_gpu_the_engine_need
 def test_an_update_job_loads_early_even_on_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr("rl.training.gpu_visible", lambda: True)
     cfg = load(RunConfig, [], ["model.path=/m", "run.max_iterations=3"])
-    job = RLJob(RunArgs(Path("/d"), tmp_path, "update", 1, None, 2, [1.0, 1.0], 0), cfg, FakeNode(tmp_path))
+    job = RLJob(RunArgs(Path("/d"), tmp_path, UPDATE, 1, 2, [1.0, 1.0], 0), cfg, FakeNode(tmp_path))
     assert not job.kind.serves and job.trainers.may_load_early()
 
 

@@ -4,6 +4,7 @@ source with ast, every import counted, function-local ones included."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 from coordination.phases import PHASES, PhaseId
@@ -77,3 +78,59 @@ def test_only_the_cli_imports_the_driver_at_run_time():
             if any(m == "rl.driver" or m.startswith("rl.driver.") for m in modules):
                 importers.append(str(rel))
     assert importers == ["rl/run_cli.py"], importers
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants of `node`, itself or the items of a tuple, list or set display."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {s for item in node.elts for s in _strings(item)}
+    return set()
+
+
+def _names_a_split(node: ast.AST) -> bool:
+    """`split` or `x.split`: the rollout split "eval" shares its word with the eval job."""
+    return (isinstance(node, ast.Name) and node.id == "split") or (isinstance(node, ast.Attribute)
+                                                                    and node.attr == "split")
+
+
+def job_switches() -> list[str]:
+    """'file:line source' of each comparison outside rl/jobs.py that decides by a job's name (`== "both"`,
+    `in ("rollout", "eval")`) or by whether the benchmark's options are there (`args.bench is None`)."""
+    found = []
+    for package in ALLOWED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == ROOT / "rl" / "jobs.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Compare):
+                    continue
+                operands = [node.left, *node.comparators]
+                by_name = (any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops)
+                           and any(_strings(o) & set(KINDS) for o in operands)
+                           and not any(_names_a_split(o) for o in operands))
+                by_bench = (isinstance(node.left, ast.Attribute) and node.left.attr == "bench"
+                            and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops))
+                if by_name or by_bench:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_job_kinds_table_switches_on_a_job():
+    # What a job does is a field of its JobKind (rl/jobs.py); a name compared elsewhere is a second
+    # copy of that table that a new job kind would silently miss.
+    assert job_switches() == []
+
+
+def test_job_switch_check_sees_each_form_of_comparison(tmp_path, monkeypatch):
+    # The check above finds nothing in the code; this proves it would find each form it looks for.
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "bad.py").write_text(
+        'a = job == "both"\nb = "update" != kind\nc = name in ("rollout", "x")\nd = args.bench is None\n'
+        'e = split == "eval"\nf = job == "train"\n')
+    for package in ("coordination", "rollout", "train"):
+        (tmp_path / package).mkdir()
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    bad = Path("rl", "bad.py")
+    assert [line.split(" ", 1)[0] for line in job_switches()] == [f"{bad}:{n}" for n in (1, 2, 3, 4)]

@@ -13,7 +13,8 @@ from coordination.layout import RunLayout
 from coordination.phases import BY_NUMBER, PhaseId
 from coordination.runner import Step
 from rl.args import RunArgs
-from rl.plan import make_plan
+from rl.jobs import BOTH
+from rl.plan import job_plan
 from rl.runconfig import RunConfig
 from rl.training import TrainerLifecycle
 from train.resident import Mailbox, ResidentTrainer
@@ -37,7 +38,7 @@ def _trained(tmp_path: Path, *over: str, beside_engine: bool = True) -> tuple[Tr
     results() returns at once, as after a real attempt) and are still "training" in their state."""
     cfg = load(RunConfig, [], ["model.path=/m", "run.max_iterations=3", "train.nproc_per_node=2", *over])
     node = FakeNode(tmp_path)
-    life = TrainerLifecycle(node, make_plan(RunArgs(Path("/d"), tmp_path, "both", 1, None, 1, [1.0], 0), cfg),
+    life = TrainerLifecycle(node, job_plan(RunArgs(Path("/d"), tmp_path, BOTH, 1, 1, [1.0], 0), cfg),
                             beside_engine=beside_engine)
     life.trainer = ResidentTrainer(node, life.log_file)
     life.trainer.launch_id = LAUNCH  # what launch() records; no process is needed once every result is written

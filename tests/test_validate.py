@@ -12,6 +12,7 @@ import pytest
 
 from coordination.config import ConfigError
 from rl.args import RunArgs
+from rl.jobs import kind_for
 from rl.runconfig import load_run_config
 from rl.validate import Rule, failures
 from rl.validate.flags import FLAG_RULES, Flags, node_rank
@@ -34,10 +35,10 @@ FLAG_CASES = [  # (flags, rule, what its message must say)
     (dict(bench_given=("bench_steps",)), "bench-options-need-bench", "--bench-steps only applies with --bench"),
     (dict(bench=True, rl_phase=None, eval_interval=2), "bench-takes-no-rl-flags",
      "takes no --eval-interval; drop it"),
-    (dict(rl_phase=None), "rl-phase-given", "--rl-phase rollout|update|both is required (or --bench"),
-    (dict(rl_phase="both"), "eval-interval-with-both", "--eval-interval K is required with --rl-phase both"),
-    (dict(rl_phase="rollout"), "rollout-split-with-rollout", "--rollout-split train-only|eval-only is required"),
-    (dict(rollout_split="eval-only"), "rollout-split-with-rollout",
+    (dict(rl_phase=None), "job-selected", "--rl-phase rollout|update|both is required (or --bench"),
+    (dict(rl_phase="both"), "eval-interval-given", "--eval-interval K is required with --rl-phase both"),
+    (dict(rl_phase="rollout"), "job-selected", "--rollout-split train-only|eval-only is required"),
+    (dict(rollout_split="eval-only"), "job-selected",
      "only applies to --rl-phase rollout (got --rl-phase update)"),
     (dict(num_nodes=0), "num-nodes-positive", "--num-nodes must be at least 1 (got 0)"),
     (dict(num_nodes=2, master=True), "rank-weights",
@@ -78,7 +79,7 @@ def test_several_bad_flags_are_all_reported_and_a_rule_needing_a_failed_one_is_s
     found = failures(FLAG_RULES, flags(rl_phase="both", eval_interval=None, num_nodes=0, rank_weights="x",
                                        overrides=("oops",)))
     # num-nodes failed: the weights and rank rules, which need a node count, say nothing.
-    assert [f.rule for f in found] == ["eval-interval-with-both", "num-nodes-positive", "overrides-are-key-value"]
+    assert [f.rule for f in found] == ["eval-interval-given", "num-nodes-positive", "overrides-are-key-value"]
 
 
 def test_rank_weights_have_one_parser_and_one_rule():
@@ -138,8 +139,9 @@ def inputs(tmp_path: Path, *overrides: str, phase: str = "both", num_nodes: int 
            bench: dict | None = None) -> RunInputs:
     data = data or data_folder(tmp_path)
     split = "train-only" if phase == "rollout" else None
-    args = RunArgs(data, tmp_path / "run", "bench" if bench is not None else phase, 0 if phase == "both" else None,
-                   split, num_nodes, [1.0] * num_nodes, 0, overrides=list(overrides), bench=bench)
+    kind = kind_for(phase, split, bench=bench is not None)
+    args = RunArgs(data, tmp_path / "run", kind, 0 if kind.evaluates_on_interval else None,
+                   num_nodes, [1.0] * num_nodes, 0, overrides=list(overrides), bench=bench)
     cfg = load_run_config(list(configs), args.overrides, args.config_flags())
     return RunInputs(args, cfg)
 

@@ -42,7 +42,7 @@ def _assets(root: Path) -> tuple[Path, Path]:
     return data, model
 
 
-def phase_seconds(log_path: Path) -> dict[int, list[float]]:
+def rank0_phase_seconds(log_path: Path) -> dict[int, list[float]]:
     """Seconds each phase took per iteration on rank 0 (work and barrier wait together)."""
     from coordination.layout import RunLayout
     from coordination.report import load_spans
@@ -84,7 +84,7 @@ def run_once(root: Path, data: Path, model: Path, mode: str, opts: dict[str, Any
     if res.returncode != 0:
         tail = res.stdout.decode(errors="replace").splitlines()[-25:]
         raise RuntimeError(f"{mode} run exited {res.returncode} ({log_path}):\n" + "\n".join(tail))
-    phases = phase_seconds(log_path)
+    phases = rank0_phase_seconds(log_path)
     steps = trained_steps(log_path, opts["iterations"])
     if any(n != opts["steps"] for n in steps):
         raise RuntimeError(f"{mode} run trained {steps} optimizer steps per iteration, not {opts['steps']} "

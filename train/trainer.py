@@ -453,7 +453,7 @@ def _explained(exc: Exception) -> bool:
     return isinstance(exc, (ShardError, CheckpointError, PeerFailed, TrainingDiverged, FileNotFoundError, ConfigError))
 
 
-def run_bench(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, ...]) -> int:
+def bench_command(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, ...]) -> int:
     """`--bench`: the RL (GRPO) step on fake data; exit 2 on a configuration to fix."""
     from train.benchmark import bench_model, print_and_write, run_bench as bench, train_config_from
     from train.distributed import init_distributed, shutdown
@@ -507,7 +507,7 @@ def main(plan_path: Path | None, attempt: int, model: Path | None, config_files:
     if bench["bench"]:
         if plan_path is not None:
             raise click.UsageError("--bench trains on fake data and takes no --plan")
-        exit_now(run_bench({**bench, "model": model}, config_files, overrides))
+        exit_now(bench_command({**bench, "model": model}, config_files, overrides))
     if resident is not None:
         if plan_path is not None or log_path is None or job is None or node_rank is None:
             raise click.UsageError("--resident LAUNCH takes --log-path, --job and --for-node (and no --plan: orders name "

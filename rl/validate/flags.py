@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from coordination.config import ConfigError
+from rl.jobs import kind_for
 from rl.validate import Rule
 from rollout.split import parse_rank_weights
 
@@ -44,24 +45,20 @@ def bench_takes_no_rl_flags(f: Flags) -> str | None:
     return None
 
 
-def rl_phase_given(f: Flags) -> str | None:
-    if not f.bench and f.rl_phase is None:
-        return "--rl-phase rollout|update|both is required (or --bench to benchmark the trainer)"
+def job_selected(f: Flags) -> str | None:
+    """--rl-phase, --rollout-split and --bench select one job kind (rl/jobs.py kind_for)."""
+    try:
+        kind_for(f.rl_phase, f.rollout_split, bench=f.bench)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
-def eval_interval_with_both(f: Flags) -> str | None:
-    if f.rl_phase == "both" and f.eval_interval is None:
-        return ("--eval-interval K is required with --rl-phase both (evaluate at iterations 1, 1+K, ...; "
+def eval_interval_given(f: Flags) -> str | None:
+    kind = kind_for(f.rl_phase, f.rollout_split, bench=f.bench)
+    if kind.evaluates_on_interval and f.eval_interval is None:
+        return (f"--eval-interval K is required with {kind.flags} (evaluate at iterations 1, 1+K, ...; "
                 "0 turns evaluation off)")
-    return None
-
-
-def rollout_split_with_rollout(f: Flags) -> str | None:
-    if f.rl_phase == "rollout" and f.rollout_split is None:
-        return "--rollout-split train-only|eval-only is required with --rl-phase rollout"
-    if f.rl_phase != "rollout" and f.rollout_split is not None and not f.bench:
-        return f"--rollout-split only applies to --rl-phase rollout (got --rl-phase {f.rl_phase})"
     return None
 
 
@@ -139,9 +136,8 @@ def overrides_are_key_value(f: Flags) -> str | None:
 FLAG_RULES: tuple[Rule, ...] = (
     Rule("bench-options-need-bench", bench_options_need_bench),
     Rule("bench-takes-no-rl-flags", bench_takes_no_rl_flags),
-    Rule("rl-phase-given", rl_phase_given),
-    Rule("eval-interval-with-both", eval_interval_with_both),
-    Rule("rollout-split-with-rollout", rollout_split_with_rollout),
+    Rule("job-selected", job_selected),
+    Rule("eval-interval-given", eval_interval_given, needs=("job-selected",)),
     Rule("num-nodes-positive", num_nodes_positive),
     Rule("rank-weights", rank_weights, needs=("num-nodes-positive",)),
     Rule("rank-known", rank_known, needs=("num-nodes-positive",)),

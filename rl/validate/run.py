@@ -8,7 +8,7 @@ from typing import Any
 
 from coordination.config import ConfigError
 from rl.model_inputs import check_model_inputs
-from rl.plan import make_plan
+from rl.plan import job_plan
 from rl.validate import Failure, Rule, by_message, failures
 from rollout.inference import VLLM_LORA_RANKS
 from rollout.rewards import RewardError, check_reward
@@ -23,15 +23,15 @@ class RunInputs:
 
     def __init__(self, args: Any, cfg: Any):
         self.args, self.cfg = args, cfg
-        self.plan = make_plan(args, cfg)
+        self.plan = job_plan(args, cfg)
         kind = args.kind
         self.splits = (["train"] if kind.rolls_out else []) + \
             (["eval"] if kind.only_evaluates or (kind.evaluates and cfg.run.eval_interval > 0) else [])
 
     @property
     def serves_from_model(self) -> bool:
-        """Both and rollout jobs start their engine on model.path (an update job only names it)."""
-        return self.args.rl_phase in ("both", "rollout")
+        """Jobs that serve start their engine on model.path (an update job only names it)."""
+        return self.args.kind.serves
 
     def pools(self) -> dict[str, tuple[list, Path]]:
         """split -> (its tasks, its file), once the task-files rule passed."""
@@ -40,14 +40,14 @@ class RunInputs:
 
 def bench_model_is_folder(r: RunInputs) -> str | None:
     path = r.cfg.model.path
-    if r.args.bench is not None and path and not Path(path).is_dir():
+    if r.args.kind.benchmarks and path and not Path(path).is_dir():
         return (f"model.path={path} is not a folder on this node; give the Hugging Face model to benchmark, or "
                 f"leave model.path empty to benchmark the tiny model")
     return None
 
 
 def model_path_given(r: RunInputs) -> str | None:
-    if r.args.bench is None and not r.cfg.model.path:
+    if not r.args.kind.benchmarks and not r.cfg.model.path:
         return ("model.path is empty: give the starting checkpoint, e.g. model.path=/models/qwen or in a --config "
                 "YAML file")
     return None
@@ -137,7 +137,7 @@ def model_fits_inputs(r: RunInputs) -> str | None:
 
 def memory_fits(r: RunInputs) -> str | None:
     """A trainer and an engine that share the GPUs and do not fit would fail at the first step."""
-    if r.args.bench is not None:
+    if r.args.kind.benchmarks:
         return None
     return by_message(lambda: check_memory(r.cfg, serves=r.args.kind.serves, trains=r.args.kind.trains,
                                            num_nodes=r.args.num_nodes, debug_mode=r.args.debug_mode))
