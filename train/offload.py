@@ -206,11 +206,13 @@ class ResidentOffload:
         self._saved = []
         self.on_host = False
 
-    def discard(self) -> None:
+    def discard(self) -> int:
         """Let go of the host copies (pinned on CUDA) without restoring them: the model they belong
-        to is being torn down (free_storages), so nothing will read them again."""
+        to is being torn down (free_storages), so nothing will read them again. Returns their bytes."""
+        dropped = sum(host.numel() for _, host in self._saved)
         self._saved = []
         self.on_host = False
+        return dropped
 
 
 def _storages(modules: list[nn.Module | None], optimizer: torch.optim.Optimizer, device: torch.device):

@@ -71,7 +71,7 @@ class Held:
         refers to them; an offload's host copies and the optimizer-state offload's hooks are dropped;
         a collection then takes the cycles' other objects (FSDP2's unsharded buffers among them) and
         the allocators give their caches back. The Held holds nothing afterwards. Returns the bytes
-        freed on `device`."""
+        freed (on `device`, and the offload's host copies)."""
         import gc
 
         import torch
@@ -83,11 +83,10 @@ class Held:
                                "(settle_optimizer_write) before tearing the model down")
         if self.t is None:
             return 0
-        if self.offload is not None:
-            self.offload.discard()
+        freed = self.offload.discard() if self.offload is not None else 0
         if self.t.optimizer_offload is not None:
             self.t.optimizer_offload.remove()
-        freed = free_storages([self.t.model, self.reference], self.t.optimizer, device)
+        freed += free_storages([self.t.model, self.reference], self.t.optimizer, device)
         self.t, self.reference, self.offload = None, None, None
         gc.collect()
         if device.type == "cuda":
