@@ -451,6 +451,14 @@ def test_load_publish_benchmark_reports_both_paths_and_meets_the_memory_target(t
     assert report["sharded"]["load_peak_rss_mb_world2"] - report["baseline_rss_mb"] <= 0.6 * report["model_fp32_mb"]
     # Today's path holds the whole model on every rank while loading.
     assert report["current"]["load_peak_rss_mb_world2"] - report["baseline_rss_mb"] > report["model_fp32_mb"]
+    # Every parameter is trained: 4 bytes each of weights (float32 on CPU) and of float32 state, 8 of
+    # AdamW's moments, plus the files' headers (names and offsets of a few hundred pieces, under 1 MiB).
+    params = int(report["model"].split(", ")[1].split()[0].replace(",", ""))
+    sizes = report["checkpoint_bytes"]
+    assert set(sizes) == {"weights", "fp32_state", "optimizer"}
+    for part, per_param in (("weights", 4), ("fp32_state", 4), ("optimizer", 8)):
+        assert 0 <= sizes[part] - per_param * params < 2**20, (part, sizes)
+    assert report["fp32_state_write_s_world2"] > 0 and report["optimizer_write_s_world2"] > 0
 
 
 if __name__ == "__main__":

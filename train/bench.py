@@ -151,6 +151,9 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
             click.echo(f"{mode:8} load peak RSS {r['load_peak_rss_mb_world1']:>8,.0f} MB (1 proc) "
                        f"{r['load_peak_rss_mb_world2']:>8,.0f} MB (2 procs); publish {r['publish_s_world1']:.2f} s "
                        f"(1 proc) {r['publish_s_world2']:.2f} s (2 procs)")
+        sizes = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in report["checkpoint_bytes"].items())
+        click.echo(f"checkpoint on 2 procs: {sizes}; writing the float32 state {report['fp32_state_write_s_world2']:.2f} s, "
+                   f"AdamW's moments {report['optimizer_write_s_world2']:.2f} s (the background write)")
         click.echo(f"sharded, 2 procs: (peak - baseline) / fp32 size = "
                    f"{report['sharded_load_over_baseline_ratio_world2']:.2f} (target <= 0.6)")
         return

@@ -44,13 +44,17 @@ def peak_tensor_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu")
     return result, peak
 
 
-def rss_mb() -> float:
-    """Resident set size of this process now, in MiB."""
-    with open("/proc/self/statm") as fh:
+def rss_mb(pid: int | None = None) -> float:
+    """Resident set size now, in MiB, of this process or of process `pid`."""
+    with open(f"/proc/{pid or 'self'}/statm") as fh:
         pages = int(fh.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_rss_mb() -> float:
-    """The process's resident-set high-water mark since it started, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mb(pid: int | None = None) -> float:
+    """The resident-set high-water mark since it started, in MiB (Linux reports KiB), of this
+    process or of process `pid`."""
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024

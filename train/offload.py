@@ -176,30 +176,12 @@ class ResidentOffload:
         self.storages = 0
         self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
 
-    def _tensors(self):
-        for m in self.modules:
-            for p in m.parameters():
-                yield _local(p)
-                if p.grad is not None:
-                    yield _local(p.grad)
-            for b in m.buffers():
-                yield _local(b)
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    yield _local(value)
-
     def to_host(self) -> None:
         if self.on_host:
             return
-        seen: set[int] = set()
         pin = self.device.type == "cuda"
         self._saved, self.moved_bytes = [], 0
-        for t in self._tensors():
-            storage = t.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen or storage.device.type != self.device.type:
-                continue
-            seen.add(storage.data_ptr())
+        for storage in _storages(self.modules, self.optimizer, self.device):
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
             host.copy_(_bytes_of(storage))
             self._saved.append((storage, host))
@@ -223,6 +205,48 @@ class ResidentOffload:
             torch.cuda.synchronize(self.device)
         self._saved = []
         self.on_host = False
+
+    def discard(self) -> int:
+        """Let go of the host copies (pinned on CUDA) without restoring them: the model they belong
+        to is being torn down (free_storages), so nothing will read them again. Returns their bytes."""
+        dropped = sum(host.numel() for _, host in self._saved)
+        self._saved = []
+        self.on_host = False
+        return dropped
+
+
+def _storages(modules: list[nn.Module | None], optimizer: torch.optim.Optimizer, device: torch.device):
+    """Each distinct non-empty storage on `device` of the modules' parameters, gradients and buffers
+    and of the optimizer's tensor states (scalar states, such as Adam's step, stay where they are)."""
+    tensors = []
+    for m in modules:
+        if m is None:
+            continue
+        for p in m.parameters():
+            tensors += [p] if p.grad is None else [p, p.grad]
+        tensors += list(m.buffers())
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+    seen: set[int] = set()
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen or storage.device.type != device.type:
+            continue
+        seen.add(storage.data_ptr())
+        yield storage
+
+
+def free_storages(modules: list[nn.Module | None], optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Free, for good, every storage on `device` of the modules and the optimizer (resized to 0 bytes)
+    and drop the optimizer's state; returns the bytes freed. The memory comes back at once, whoever
+    still refers to the tensors: FSDP2's reference cycles, a closure, a traceback frame. Storages in
+    host memory on a CUDA trainer (optimizer-state offload) are freed by dropping the state."""
+    freed = 0
+    for storage in list(_storages(modules, optimizer, device)):
+        freed += storage.nbytes()
+        storage.resize_(0)
+    optimizer.state.clear()
+    return freed
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

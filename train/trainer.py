@@ -62,6 +62,40 @@ class Held:
     offload: Any = None        # train.offload.ResidentOffload once created
     pending: Any = None        # train.optim_state.OptimizerWrite of the last iteration, until settled
 
+    def tear_down(self, device) -> int:
+        """Free everything this holds, before another model is built: one model at a time
+        (docs/design.md §9.6). Dropping a Held frees nothing until a garbage collection, since FSDP2's
+        modules hold reference cycles (module -> hooks -> FSDP state -> module), so the next load would
+        hold two models' parameters and optimizer state. The storages of the parameters, gradients,
+        buffers and optimizer state are freed outright (train.offload.free_storages), whatever still
+        refers to them; an offload's host copies and the optimizer-state offload's hooks are dropped;
+        a collection then takes the cycles' other objects (FSDP2's unsharded buffers among them) and
+        the allocators give their caches back. The Held holds nothing afterwards. Returns the bytes
+        freed (on `device`, and the offload's host copies)."""
+        import gc
+
+        import torch
+
+        from train.offload import free_storages
+
+        if self.pending is not None:
+            raise RuntimeError("the optimizer state is still being written from this model; settle the write "
+                               "(settle_optimizer_write) before tearing the model down")
+        if self.t is None:
+            return 0
+        freed = self.offload.discard() if self.offload is not None else 0
+        if self.t.optimizer_offload is not None:
+            self.t.optimizer_offload.remove()
+        freed += free_storages([self.t.model, self.reference], self.t.optimizer, device)
+        self.t, self.reference, self.offload = None, None, None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            # The caching host allocator keeps freed pinned blocks (offload copies, optimizer-state
+            # offload) for reuse; only this call gives them back to the system.
+            torch._C._host_emptyCache()
+        return freed
+
 
 def load_held(plan: dict[str, Any], cfg, info) -> Held:
     """Collective: load the plan's input checkpoint and, when present, its optimizer state, then
@@ -336,8 +370,8 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                 # launches afresh, and that launch reports it.
                 info = _process_group(info, prepare, "the early load")
                 box.say("loading", iteration=int(prepare["iteration"]))
-                held = None
-                held = _load_resident(prepare, info, layout, run_id)
+                # The inputs name this run's checkpoint; load_held checks it against the run's id.
+                held = _load_resident({**prepare, "run_id": run_id}, info, layout, run_id, replaces=held)
                 box.say("idle", device_memory_mb=device_memory_mb(info.device))
                 continue
             plan_path = Path(order["plan"])
@@ -347,8 +381,7 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                 # First order, or a plan that does not continue what this process holds: build from
                 # the plan's input checkpoint and optimizer state (the durable state).
                 box.say("loading", iteration=iteration)
-                held = None
-                held = _load_resident(plan, info, layout, run_id)
+                held = _load_resident(plan, info, layout, run_id, replaces=held)
             else:
                 _log.info("resident trainer %s: iteration %d continues the model it holds (input iteration %d)",
                           launch, iteration, held.iteration)
@@ -414,16 +447,22 @@ def ensure_optimizer_state(inputs: dict[str, Any], info, layout, run_id: str) ->
     again = load_held(replay, from_dict(TrainConfig, replay["config"]), info)
     train_steps(again, replay, layout, n, info)
     start_optimizer_write(again, layout, n, 0, info, run_id).wait(again.cfg.collective_timeout)
+    again.tear_down(info.device)  # before the caller loads the model it trains: one model at a time
     if info.is_main:
         _log.info("replayed iteration %d (optimizer step %d) and wrote its optimizer state in %.1f s",
                   n, again.opt_step, time.monotonic() - started)
 
 
-def _load_resident(inputs: dict[str, Any], info, layout, run_id: str) -> Held:
+def _load_resident(inputs: dict[str, Any], info, layout, run_id: str, *, replaces: Held | None) -> Held:
     """Collective: load_held for a resident trainer (after ensure_optimizer_state), with the
-    offload that can move it to host memory."""
+    offload that can move it to host memory. The model it `replaces` is torn down first."""
+    from train.memory import rss_mb
     from train.offload import ResidentOffload
 
+    if replaces is not None:
+        freed = replaces.tear_down(info.device)
+        _log.info("rank %d tore down the model it held before loading another: %.1f MiB freed; RSS now %.1f MiB",
+                  info.rank, freed / 2**20, rss_mb())
     ensure_optimizer_state(inputs, info, layout, run_id)
     held = load_held(inputs, from_dict(TrainConfig, inputs["config"]), info)
     held.offload = ResidentOffload([held.t.model, held.reference], held.t.optimizer, info.device)
