@@ -1,4 +1,4 @@
-"""`python -m train.bench --iteration [--json]`: what an RL iteration costs with a resident trainer
+"""`python -m bench --what iteration [--json]`: what an RL iteration costs with a resident trainer
 against torchrun started anew every iteration (train.resident=false), in one run.
 
 One node, the tiny Llama of train/tiny.py, arithmetic tasks, N iterations of P prompts x G samples
@@ -18,7 +18,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"resident": "train.resident=true", "restart": "train.resident=false"}
-REWARD = "train.bench_iteration:digit_share"
+REWARD = "bench.iteration:digit_share"
 
 
 def digit_share(task, completion_text: str, finish_reason: str) -> float:

@@ -1,4 +1,4 @@
-"""`python -m train.bench --levers [--json]`: each memory/speed lever against the plain trainer.
+"""`python -m bench --what levers [--json]`: each memory/speed lever against the plain trainer.
 
 A small Llama (about 40M parameters by default: hidden 512, 8 layers, vocabulary 32,000) trains
 on fake 1,024-token sequences through `python -m train.trainer --bench`, once per configuration,
@@ -105,7 +105,7 @@ def print_levers(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     m = report["model"]
-    table = Table(title=f"train.bench --levers: Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, "
+    table = Table(title=f"bench --what levers: Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, "
                         f"{m['layers']} layers, vocab {m['vocab']:,}), {report['batch_size']} x {report['seq_len']} "
                         f"tokens per step, CPU, {report['threads_per_process']} thread(s)")
     for col in ("lever", "tokens/s", "x plain", "step s", "peak memory", "x plain", "of which the step", "x plain",

@@ -1,7 +1,7 @@
-"""`python -m train.bench --load-publish`: model load memory and publication time, the full-copy
+"""`python -m bench --what load-publish`: model load memory and publication time, the full-copy
 path against the sharded one (docs/design.md §11.4), on 1 and 2 processes.
 
-`python -m train.bench_load_publish MODE MODEL OUT` is one rank of one case (under torchrun):
+`python -m bench.load_publish MODE MODEL OUT` is one rank of one case (under torchrun):
 - `current`: every rank loads the whole float32 model with transformers, then FSDP2 shards it;
   publication gathers the full state dict to rank 0, which writes it alone (save_pretrained);
 - `sharded`: every rank builds the model on the meta device and reads its shard
@@ -94,7 +94,7 @@ def run_case(root: Path, model: Path, mode: str, procs: int, timeout: float) -> 
     port = free_port("127.0.0.1")
     cmd = torchrun_command(python=sys.executable, nnodes=1, node_rank=0, nproc_per_node=procs,
                            rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"lp-{port}", is_host=True, local_addr=None,
-                           module="train.bench_load_publish", args=[mode, str(model), str(root)])
+                           module="bench.load_publish", args=[mode, str(model), str(root)])
     env = torchrun_env(dict(os.environ, PYTHONPATH=str(repo)), omp_threads=1, socket_ifname=None)
     log = root / f"{mode}-w{procs}.log"
     with open(log, "wb") as fh:

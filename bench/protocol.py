@@ -1,6 +1,6 @@
 """Coordination benchmark: the full 14-phase table with no-op actions, N processes, one log path.
 
-    python -m coordination.bench --nodes 8 --iterations 20 [--json]
+    python -m bench --what coordination --nodes 8 --iterations 20 [--json]
 
 Prints per-iteration coordination overhead (median, p95), per-barrier release latency and
 filesystem metadata operations per second per waiting rank. With no work in the phases,
@@ -59,7 +59,7 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
     code = exits.OK
     try:
         node = join_job(layout, job="both", rank=rank, num_nodes=nodes, job_facts={"rank_weights": [1] * nodes},
-                        config=config, cfg=cfg, command=" ".join([sys.executable, "-m", "coordination.bench"] + sys.argv[1:]))
+                        config=config, cfg=cfg, command=" ".join([sys.executable, "-m", "bench.protocol"] + sys.argv[1:]))
         work = layout.bench_work("both", rank)
         ensure_dir(work.parent)
 
@@ -176,7 +176,7 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
     procs = []
     try:
         for r in range(nodes):
-            cmd = [sys.executable, "-m", "coordination.bench", "--node-rank", str(r), "--nodes", str(nodes),
+            cmd = [sys.executable, "-m", "bench.protocol", "--node-rank", str(r), "--nodes", str(nodes),
                    "--iterations", str(iterations), "--log-path", str(log_path),
                    "--gc-keep-iterations", str(iterations + 1), "--slow", f"1:{nodes - 1}:{straggler}",
                    "--slow-iterations", "1"]

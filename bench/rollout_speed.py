@@ -1,4 +1,4 @@
-"""Rollout benchmarks: `python -m rollout.bench [--json]`.
+"""Rollout benchmarks: `python -m bench --what rollout [--json]`.
 
 (a) aggregation of 8 ranks x 100,000 synthetic samples (target <= 3 s);
 (b) samples/s and tokens/s of the transformers engine on the tiny model;
@@ -90,10 +90,6 @@ def bench_aggregate(ranks: int = 8, samples_per_rank: int = 100_000, group_size:
             "within_target": seconds <= AGGREGATE_TARGET_S, "idempotent_rerun_seconds": again}
 
 
-def tiny_model(out: Path) -> Path:
-    """A fresh tiny model, made by its own command: rollout/ does not import train/."""
-    subprocess.run([sys.executable, "-m", "train.tiny", "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
-    return out
 
 
 def bench_transformers(model_dir: Path | None, *, prompts: int, n: int, max_new_tokens: int,
@@ -104,7 +100,7 @@ def bench_transformers(model_dir: Path | None, *, prompts: int, n: int, max_new_
     from rollout.engines.transformers_engine import TransformersEngine
 
     with tempfile.TemporaryDirectory(prefix="baton-bench-model-") as tmp:
-        model_dir = model_dir or tiny_model(Path(tmp) / "tiny")
+        model_dir = model_dir or write_tiny_model(Path(tmp) / "tiny")
         with TransformersEngine(threads=threads) as engine:
             engine.start(model_dir)
             ids = [engine.tokenizer(f"{i}+{i * 7 % 1000}=")["input_ids"] for i in range(prompts)]
@@ -124,12 +120,12 @@ def bench_vllm(python: str | None, model_dir: Path | None, *, prompts: int, n: i
     if not python:
         return {"skipped": "vLLM tier not installed"}
     try:
-        from rollout.bench_vllm import measure_vllm
+        from bench.vllm_speed import measure_vllm
     except ImportError as exc:
-        return {"skipped": f"vLLM benchmark unavailable: rollout.bench_vllm cannot be imported ({exc})"}
+        return {"skipped": f"vLLM benchmark unavailable: bench.vllm_speed cannot be imported ({exc})"}
 
     with tempfile.TemporaryDirectory(prefix="baton-bench-vllm-") as tmp:
-        model_dir = model_dir or tiny_model(Path(tmp) / "tiny")
+        model_dir = model_dir or write_tiny_model(Path(tmp) / "tiny")
         return measure_vllm(model_dir, python, prompts=prompts, n=n, max_new_tokens=max_new_tokens)
 
 

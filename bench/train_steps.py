@@ -1,7 +1,8 @@
-"""`python -m train.bench [--json]`: training throughput of the tiny model on CPU.
-`python -m train.bench --levers [--json]`: the memory/speed levers against plain (train/bench_levers.py).
-`python -m train.bench --load-publish [--json]`: load memory and publication time of a ~200M model,
-the full-copy path against the sharded one, on 1 and 2 processes (train/bench_load_publish.py).
+"""`python -m bench --what train [--json]`: training throughput of the tiny model on CPU.
+`--levers` (`--what levers`): the memory/speed levers against plain (bench/levers.py).
+`--load-publish` (`--what load-publish`): load memory and publication time of a ~200M model,
+the full-copy path against the sharded one, on 1 and 2 processes (bench/load_publish.py).
+`--iteration` (`--what iteration`): whole RL iterations, resident trainer against restarts (bench/iteration.py).
 
 For DDP and FSDP2 on 1 and 2 processes it writes synthetic trajectories, prepares a plan with
 two optimizer steps, launches the real trainer under torchrun and reads the trainer's own step
@@ -92,7 +93,7 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
                    "on a small Llama, as ratios to plain")
 @click.option("--iteration", is_flag=True,
               help="instead: whole RL iterations through scripts/run.sh on one node, resident trainer against "
-                   "train.resident=false (train/bench_iteration.py)")
+                   "train.resident=false (bench/iteration.py)")
 @click.option("--iterations", default=3, show_default=True, help="--iteration: iterations per run")
 @click.option("--train-steps", default=4, show_default=True, help="--iteration: optimizer steps per iteration")
 @click.option("--repeats", default=3, show_default=True, help="--iteration: runs per mode (modes alternate)")
@@ -122,7 +123,7 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
     from train.tiny import write_tiny_model
 
     if iteration:
-        from train.bench_iteration import run_iteration_bench
+        from bench.iteration import run_iteration_bench
 
         opts["threads"] = opts["threads"] or 1
         with tempfile.TemporaryDirectory(prefix="baton-iteration-bench-") as tmp:
@@ -136,7 +137,7 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
                        f"vs {report['phase10_median_s']['restart']:.2f} s")
         return
     if load_publish:
-        from train.bench_load_publish import run_load_publish
+        from bench.load_publish import run_load_publish
 
         with tempfile.TemporaryDirectory(prefix="baton-load-publish-") as tmp:
             report = run_load_publish(Path(tmp), timeout=opts["timeout"],
@@ -155,7 +156,7 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
                    f"{report['sharded_load_over_baseline_ratio_world2']:.2f} (target <= 0.6)")
         return
     if levers:
-        from train.bench_levers import print_levers, run_levers
+        from bench.levers import print_levers, run_levers
 
         opts["threads"] = opts["threads"] or 1
         with tempfile.TemporaryDirectory(prefix="baton-train-levers-") as tmp:

@@ -1,6 +1,6 @@
 """Throughput of the vLLM engine on CPU: start (CPU recipe), warm up, measure, reload, stop.
 
-`rollout.bench` calls `measure_vllm` for its table; `python -m rollout.bench_vllm --model DIR
+`bench.rollout_speed` calls `measure_vllm` for its table; `python -m bench.vllm_speed --model DIR
 --python PY` runs it alone. Prompts are random token ids and completions have a fixed length
 (EOS ignored), so runs are comparable across models and checkpoints.
 """
