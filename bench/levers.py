@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,10 +47,11 @@ LEVERS: list[tuple[str, list[str]]] = [
 
 def write_small_llama(out: Path, *, hidden: int, layers: int, vocab: int, seq_len: int, seed: int = 0) -> int:
     """A randomly initialised Llama folder (no tokenizer: the benchmark feeds token ids); returns its size."""
+    # torch and transformers only once a model is built, so that --help answers at once.
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from train.model import quiet_transformers
+    from train.model import quiet_transformers  # imports torch
 
     quiet_transformers()
     heads = max(1, hidden // 64)
@@ -101,9 +104,6 @@ def run_levers(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
 
 
 def print_levers(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     m = report["model"]
     table = Table(title=f"bench --what levers: Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, "
                         f"{m['layers']} layers, vocab {m['vocab']:,}), {report['batch_size']} x {report['seq_len']} "

@@ -23,6 +23,15 @@ from pathlib import Path
 
 import click
 
+from coordination import exits, log as blog, timeline
+from coordination.children import run_watched
+from coordination.config import CoordinationConfig
+from coordination.join import join_job
+from coordination.layout import RunLayout
+from coordination.phases import phases_of
+from coordination.records import ensure_dir, publish_bytes, restrict_umask
+from coordination.runner import Phase, PhaseRunner, Verdict, default_decide
+
 
 def _parse_specs(specs: tuple[str, ...], what: str) -> dict[tuple[int, int], float]:
     out = {}
@@ -41,16 +50,6 @@ _TALKER = ("import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile
 
 def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: dict, fail: dict,
              max_attempts: int, coord: dict, slow_iterations: int = 0, talker: bool = False) -> int:
-    from coordination import exits, log as blog
-    from coordination.children import run_watched
-    from coordination.config import CoordinationConfig
-    from coordination.join import join_job
-    from coordination.layout import RunLayout
-    from coordination.phases import phases_of
-    from coordination.records import ensure_dir
-    from coordination.runner import Phase, PhaseRunner, Verdict, default_decide
-    from coordination import timeline
-
     logger = blog.setup(f"bench rank{rank}")
     layout = RunLayout(log_path)
     cfg = CoordinationConfig(**coord)
@@ -101,7 +100,6 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
         if node is not None:
             fenced = node.claim is not None and node.claim.is_fenced()
             if not fenced:
-                from coordination.records import publish_bytes
                 publish_bytes(layout.bench_result("both", rank), json.dumps(
                     {"waits": node.waits}).encode())
             node.close("exited" if code == exits.OK else "failed", "finished" if code == exits.OK else "failed")
@@ -109,9 +107,6 @@ def run_node(log_path: Path, rank: int, nodes: int, iterations: int, *, slow: di
 
 
 def analyse(log_path: Path, nodes: int) -> dict:
-    from coordination import timeline
-    from coordination.layout import RunLayout
-
     layout = RunLayout(log_path)
     job = layout.job("both")
     waits = defaultdict(lambda: {"start": [], "end": []})
@@ -224,8 +219,6 @@ def orchestrate(nodes: int, iterations: int, log_path: Path | None, timeout: flo
 def main(nodes, iterations, as_json, log_path, timeout, straggler_seconds, slow_iterations, node_rank, slow, talker,
          fail, max_attempts, heartbeat_interval, peer_timeout, rejoin_timeout, gc_keep_iterations, join_timeout):
     """Measure the coordination protocol's own cost on one log path."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if node_rank is not None:
         if log_path is None:

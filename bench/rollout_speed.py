@@ -16,17 +16,26 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
+import pyarrow as pa
+from rich.console import Console
+from rich.table import Table
+
+from bench.vllm_speed import measure_vllm
+from coordination import log
+from coordination.layout import RunLayout
+from coordination.records import restrict_umask
+from rollout import store
+from rollout.aggregate import aggregate
+from rollout.chunks import GENERATION_KEY, RUN_ID_KEY, Manifest, publish_done
+from rollout.engine import Sampling
+from rollout.engines.transformers_engine import TransformersEngine
 
 AGGREGATE_TARGET_S = 3.0
 
 
 def synthetic_chunk(rank: int, first_task: int, tasks: int, group_size: int, iteration: int, seed: int) -> Any:
     """A chunk table of `tasks` groups built column-wise (prompt 10, completion 1-8 tokens)."""
-    import numpy as np
-    import pyarrow as pa
-
-    from rollout import store
-
     rng = np.random.default_rng(seed)
     rows = tasks * group_size
     task_ids = pa.array([f"r{rank}-t{first_task + i}" for i in range(tasks)]).take(
@@ -57,11 +66,6 @@ def synthetic_chunk(rank: int, first_task: int, tasks: int, group_size: int, ite
 
 def bench_aggregate(ranks: int = 8, samples_per_rank: int = 100_000, group_size: int = 8,
                     chunk_tasks: int = 1250) -> dict[str, Any]:
-    from coordination.layout import RunLayout
-    from rollout import store
-    from rollout.aggregate import aggregate
-    from rollout.chunks import GENERATION_KEY, RUN_ID_KEY, Manifest, publish_done
-
     run_id, iteration = "bench", 1
     tasks_per_rank = samples_per_rank // group_size
     with tempfile.TemporaryDirectory(prefix="baton-bench-") as tmp:
@@ -94,10 +98,7 @@ def bench_aggregate(ranks: int = 8, samples_per_rank: int = 100_000, group_size:
 
 def bench_transformers(model_dir: Path | None, *, prompts: int, n: int, max_new_tokens: int,
                        threads: int | None = None) -> dict[str, Any]:
-    import torch
-
-    from rollout.engine import Sampling
-    from rollout.engines.transformers_engine import TransformersEngine
+    import torch  # the engine loads it only when it starts; --help stays instant
 
     with tempfile.TemporaryDirectory(prefix="baton-bench-model-") as tmp:
         model_dir = model_dir or write_tiny_model(Path(tmp) / "tiny")
@@ -119,11 +120,6 @@ def bench_transformers(model_dir: Path | None, *, prompts: int, n: int, max_new_
 def bench_vllm(python: str | None, model_dir: Path | None, *, prompts: int, n: int, max_new_tokens: int) -> dict:
     if not python:
         return {"skipped": "vLLM tier not installed"}
-    try:
-        from bench.vllm_speed import measure_vllm
-    except ImportError as exc:
-        return {"skipped": f"vLLM benchmark unavailable: bench.vllm_speed cannot be imported ({exc})"}
-
     with tempfile.TemporaryDirectory(prefix="baton-bench-vllm-") as tmp:
         model_dir = model_dir or write_tiny_model(Path(tmp) / "tiny")
         return measure_vllm(model_dir, python, prompts=prompts, n=n, max_new_tokens=max_new_tokens)
@@ -143,11 +139,7 @@ def bench_vllm(python: str | None, model_dir: Path | None, *, prompts: int, n: i
 def main(as_json: bool, model_dir: Path | None, vllm_python: str | None, prompts: int, n: int, max_new_tokens: int,
          threads: int | None, ranks: int, samples_per_rank: int) -> None:
     """Measure aggregation and engine throughput."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
-    from coordination import log
-
     log.setup("bench")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = {
@@ -159,9 +151,6 @@ def main(as_json: bool, model_dir: Path | None, vllm_python: str | None, prompts
     if as_json:
         click.echo(json.dumps(results, indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="rollout benchmarks")
     for col in ("benchmark", "result", "target"):
         table.add_column(col)

@@ -24,15 +24,24 @@ import time
 from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.table import Table
 
+from bench.iteration import run_iteration_bench
+from bench.levers import print_levers, run_levers
+from coordination.layout import RunLayout
 from coordination.net import free_port
+from coordination.records import read_record, restrict_umask
+from rollout import store
+from train.config import TrainConfig
+from train.data import prepare_training_data
+from train.launch import torchrun_command, torchrun_env
+from train.tiny import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, completion_tokens: int, seed: int) -> None:
-    from rollout import store
-
     rng = random.Random(seed)
     rows = []
     for t in range(prompts):
@@ -47,12 +56,6 @@ def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, compl
 
 
 def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> dict:
-    from coordination.layout import RunLayout
-    from coordination.records import read_record
-    from train.config import TrainConfig
-    from train.data import prepare_training_data
-    from train.launch import torchrun_command, torchrun_env
-
     layout = RunLayout(root / f"{backend}-{procs}")
     _trajectories(layout, 100, opts["prompts"], opts["samples"], opts["completion_tokens"], seed=0)
     cfg = TrainConfig(backend=backend, steps_per_iteration=2, micro_batch_tokens=opts["micro_batch_tokens"])
@@ -117,14 +120,8 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opts) -> None:
     """Tokens/s of one training step for DDP and FSDP2 on 1 and 2 processes (tiny model, CPU),
     or with --levers each memory/speed lever against plain."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
-    from train.tiny import write_tiny_model
-
     if iteration:
-        from bench.iteration import run_iteration_bench
-
         opts["threads"] = opts["threads"] or 1
         with tempfile.TemporaryDirectory(prefix="baton-iteration-bench-") as tmp:
             report = run_iteration_bench({**opts, "steps": opts["train_steps"]}, Path(tmp),
@@ -137,7 +134,7 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
                        f"vs {report['phase10_median_s']['restart']:.2f} s")
         return
     if load_publish:
-        from bench.load_publish import run_load_publish
+        from bench.load_publish import run_load_publish  # imports torch, which the other benchmarks leave to their children
 
         with tempfile.TemporaryDirectory(prefix="baton-load-publish-") as tmp:
             report = run_load_publish(Path(tmp), timeout=opts["timeout"],
@@ -156,8 +153,6 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
                    f"{report['sharded_load_over_baseline_ratio_world2']:.2f} (target <= 0.6)")
         return
     if levers:
-        from bench.levers import print_levers, run_levers
-
         opts["threads"] = opts["threads"] or 1
         with tempfile.TemporaryDirectory(prefix="baton-train-levers-") as tmp:
             report = run_levers(opts, Path(tmp), echo=lambda text: click.echo(text, err=True))
@@ -182,9 +177,6 @@ def main(as_json: bool, levers: bool, iteration: bool, load_publish: bool, **opt
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"train.bench: one GRPO step of the {report['model']} on CPU ({os.cpu_count()} cores)")
     for col in ("backend", "processes", "threads/proc", "tokens/step", "step s", "tokens/s", "peak MB", "launch s"):
         table.add_column(col, justify="right")
