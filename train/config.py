@@ -13,6 +13,7 @@ node without GPUs must still be able to read a config meant for GPU nodes.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,8 +40,6 @@ def check_launch(cfg: "TrainConfig", num_nodes: int) -> None:
     """What can be checked before any node trains: every node runs this at start-up, so a
     setting the trainer would refuse stops the run before its first rollout, not at phase 10 of
     every retry. (The trainer checks again against its device with train.build.preflight.)"""
-    import importlib.util
-
     if cfg.backend == "fsdp":
         check_world_size(cfg.dp_replicate, num_nodes * cfg.nproc_per_node)
     if cfg.attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
