@@ -28,6 +28,7 @@ from rollout.aggregate import aggregate
 from rollout.chunks import GENERATION_KEY, RUN_ID_KEY, Manifest, publish_done
 from rollout.engine import Sampling
 from rollout.engines.transformers_engine import TransformersEngine
+from train.tiny import write_tiny_model
 
 AGGREGATE_TARGET_S = 3.0
 
