@@ -31,7 +31,7 @@ from bench.iteration import run_iteration_bench
 from bench.levers import print_levers, run_levers
 from coordination.layout import RunLayout
 from coordination.net import free_port
-from coordination.records import read_record, restrict_umask
+from coordination.records import create_record, ensure_dir, read_record, restrict_umask
 from rollout import store
 from train.config import TrainConfig
 from train.data import prepare_training_data
@@ -57,6 +57,9 @@ def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, compl
 
 def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> dict:
     layout = RunLayout(root / f"{backend}-{procs}")
+    # The trainer trains only on a plan of the run its folder names, so the folder gets a run.json.
+    ensure_dir(layout.root)
+    create_record(layout.run_json, "run", {"created_by": "bench"}, run_id="bench", generation=0)
     _trajectories(layout, 100, opts["prompts"], opts["samples"], opts["completion_tokens"], seed=0)
     cfg = TrainConfig(backend=backend, steps_per_iteration=2, micro_batch_tokens=opts["micro_batch_tokens"])
     plan = prepare_training_data(layout, 1, cfg, run_id="bench", world_size=procs, temperature=1.0,
