@@ -6,11 +6,19 @@ and set BATON_PROG to their own name, so usage lines and advice name the command
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import sys
 from pathlib import Path
 
 import click
+
+from coordination.layout import JOBS, LinkInRunFolder, RunLayout, check_no_links
+from coordination.records import RecordError, publish_record, read_or_none, restrict_umask, try_read
+from coordination.recover import BadResetSpec, RecoverRefused, apply, live_nodes, parse_reset_spec, plan
+from coordination.report import make_report, print_table
+from coordination.status import print_status
 
 LOG_PATH = click.option("--log-path", type=click.Path(path_type=Path, file_okay=False), required=True,
                         help="the run's shared --log-path")
@@ -30,8 +38,6 @@ def cannot_write(exc: OSError, what: str, fix: str) -> CannotWrite:
 def links_refused():
     """A link planted in the run folder ends a command with the one line that names it (exit 1,
     as `recover` answers it), never a traceback."""
-    from coordination.layout import LinkInRunFolder
-
     try:
         yield
     except LinkInRunFolder as exc:
@@ -41,8 +47,6 @@ def links_refused():
 @click.group()
 def main() -> None:
     """Inspect and steer a baton run through its shared log path."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
 
 
@@ -56,8 +60,6 @@ def main() -> None:
                    "lost (default: the run's coordination.peer_timeout)")
 def status(log_path: Path, watch: bool, as_json: bool, interval: float, peer_timeout: float | None) -> None:
     """Every rank's host, phase, heartbeat and message, and what the run waits for. Read-only."""
-    from coordination.status import print_status
-
     try:
         with links_refused():
             print_status(log_path, as_json=as_json, watch=watch, interval=interval, peer_timeout=peer_timeout)
@@ -80,8 +82,6 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
 
     Ranks are judged by watching their heartbeat counters (up to peer_timeout); --apply refuses
     while any of them moves."""
-    from coordination.recover import BadResetSpec, RecoverRefused, apply, live_nodes, parse_reset_spec, plan
-
     if reset_phase is not None:
         try:
             parse_reset_spec(reset_phase)  # a typo is a usage error, found before anything is read
@@ -118,9 +118,6 @@ def recover(log_path: Path, do_apply: bool, reset_phase: str | None, peer_timeou
 
 def _finished_jobs(layout, run_id: str) -> dict[str, str] | None:
     """{job: why it stopped} when every job of the run has stopped; None while any still runs."""
-    from coordination.layout import JOBS
-    from coordination.records import read_or_none
-
     stopped = {}
     for job in JOBS:
         jl = layout.job(job)
@@ -143,11 +140,6 @@ def stop(log_path: Path, cancel: bool) -> None:
 
 
 def _request_stop(log_path: Path, cancel: bool) -> None:
-    import socket
-
-    from coordination.layout import RunLayout, check_no_links
-    from coordination.records import publish_record, try_read
-
     layout = RunLayout(log_path)
     run = try_read(layout.run_json, kind="run")
     if run is None:
@@ -186,10 +178,6 @@ def _request_stop(log_path: Path, cancel: bool) -> None:
 @click.option("--table", is_flag=True, help="also print the per-iteration table")
 def report(log_path: Path, out: Path | None, as_json: bool, table: bool) -> None:
     """Learning curves, a per-rank phase timeline, throughput and loss as PNGs plus a Markdown summary."""
-    import json
-
-    from coordination.report import make_report, print_table
-
     try:
         with links_refused():
             res = make_report(log_path, out)

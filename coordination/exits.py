@@ -1,6 +1,15 @@
 """Exit codes of baton processes, distinct so scripts and people can tell why a node stopped."""
 from __future__ import annotations
 
+from coordination import exhaustion
+from coordination.claims import ClaimRefused, Fenced
+from coordination.config import ConfigError
+from coordination.layout import LinkInRunFolder
+from coordination.manifest import JoinRefused, UnusableLogPath
+from coordination.node import PeerLost
+from coordination.records import BrokenRecord
+from coordination.runner import PhaseFailed
+
 OK = 0            # finished, or stopped on request / at max_iterations
 ERROR = 1         # an unexpected error (a bug, or an environment problem the message names)
 USAGE = 2         # bad command line, config or input (task files, reward, an unwritable --log-path)
@@ -14,15 +23,6 @@ RESOURCE = 8      # out of disk space, quota or open files, or a read-only files
 
 def classify(exc: BaseException) -> int:
     """The exit code for an exception that ends a node."""
-    from coordination import exhaustion
-    from coordination.claims import ClaimRefused, Fenced
-    from coordination.config import ConfigError
-    from coordination.layout import LinkInRunFolder
-    from coordination.manifest import JoinRefused, UnusableLogPath
-    from coordination.node import PeerLost
-    from coordination.records import BrokenRecord
-    from coordination.runner import PhaseFailed
-
     table = ((ConfigError, USAGE), (UnusableLogPath, USAGE), (JoinRefused, REFUSED), (ClaimRefused, REFUSED),
              (LinkInRunFolder, REFUSED), (PeerLost, PEER_LOST),
              (Fenced, FENCED), (PhaseFailed, ABORTED), (BrokenRecord, BROKEN))
@@ -38,7 +38,5 @@ def classify(exc: BaseException) -> int:
 def message(exc: BaseException, where: str | None = None) -> str:
     """The one line that ends a node: for exhaustion the shortage, its path and what to free (the
     error itself often names no path, hence `where`, the run folder), else the exception's text."""
-    from coordination import exhaustion
-
     found = exhaustion.of(exc, where) if classify(exc) == RESOURCE else None
     return str(found) if found is not None else str(exc)

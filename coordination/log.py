@@ -15,6 +15,9 @@ import logging
 import sys
 from pathlib import Path
 
+from coordination.exhaustion import SHORTAGES, ResourceExhausted
+from coordination.records import fence_noticed, open_own
+
 _FMT = "%(asctime)s [{prefix}] %(levelname)s %(name)s: %(message)s"
 
 # `log.error(..., extra=FILE_ONLY)`: for the log file alone, such as the traceback of an ending the
@@ -33,8 +36,6 @@ def check() -> None:
     quota, a read-only filesystem or the open-file limit: a node must not run on unrecorded. Called
     where the main thread checks its fence (waits, phase starts)."""
     if _file_failure is not None:
-        from coordination.exhaustion import ResourceExhausted
-
         raise ResourceExhausted(*_file_failure)
 
 
@@ -45,15 +46,11 @@ class _RankLogFile(logging.FileHandler):
     second, so a process woken from a pause stops at once."""
 
     def _open(self):
-        from coordination.records import open_own
-
         return open_own(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors)
 
     lost = False  # a write failed: this file is not written any more
 
     def emit(self, record: logging.LogRecord) -> None:
-        from coordination.records import fence_noticed
-
         if not self.lost and not fence_noticed(max_age=1.0):
             super().emit(record)
 
@@ -66,8 +63,6 @@ class _RankLogFile(logging.FileHandler):
         if not isinstance(exc, OSError):
             super().handleError(record)
             return
-        from coordination.exhaustion import SHORTAGES
-
         self.lost = True
         stream, self.stream = self.stream, None
         try:

@@ -11,6 +11,7 @@ it exited, failed or stopped is reported so at once.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,8 +20,10 @@ from typing import Any
 import yaml
 
 from coordination.clock import Clock
+from coordination.config import CoordinationConfig
 from coordination.heartbeat import KIND as HEARTBEAT_KIND, LivenessTracker
 from coordination.layout import JOBS, RunLayout
+from coordination.manifest import read_config_yaml
 from coordination.metrics import iteration_metrics
 from coordination.phases import phase_name
 from coordination.records import read_or_none
@@ -53,9 +56,6 @@ FINAL = ("exited", "failed", "stopped")  # the rank's own last heartbeat said so
 def run_timings(layout: RunLayout) -> tuple[float, float]:
     """(heartbeat_interval, peer_timeout) of the run in `layout`, from its config.yaml; the
     defaults of coordination.* when it cannot be read."""
-    from coordination.config import CoordinationConfig
-    from coordination.manifest import read_config_yaml
-
     interval, timeout = CoordinationConfig.heartbeat_interval, CoordinationConfig.peer_timeout
     try:
         coord = (read_config_yaml(layout) or {}).get("coordination") or {}
@@ -313,8 +313,6 @@ def one_shot_watch(reader: StatusReader) -> float:
 
 def print_status(log_path: Path, *, as_json: bool, watch: bool, interval: float = 2.0,
                  peer_timeout: float | None = None) -> None:
-    import sys
-
     from rich.console import Console
 
     reader = StatusReader(RunLayout(log_path), peer_timeout)

@@ -5,9 +5,13 @@ overrides any of them, for example `train.lr=1e-4 rollout.group_size=16`.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import yaml
 
 from coordination.config import ConfigError, CoordinationConfig, load, non_negative, option, positive, section
 from rollout.config import RolloutConfig, TasksConfig
@@ -94,11 +98,6 @@ def default_yaml() -> str:
     """configs/default.yaml as it must read: every key with its default and its help text.
     `python -m rl.runconfig > configs/default.yaml` regenerates it after a field changes;
     a test fails when the file and the dataclasses disagree."""
-    import dataclasses
-    import typing
-
-    import yaml
-
     def emit(cls: type, indent: int) -> list[str]:
         lines, hints, inst = [], typing.get_type_hints(cls), cls()
         for f in dataclasses.fields(cls):

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 from rollout.engine import Engine, Sampling
 from rollout.rewards import RewardFn
 from rollout.tasks import Task
+from rollout.worker import roll_groups
 
 
 def pass_at_k(n: np.ndarray, c: np.ndarray, k: int) -> float:
@@ -73,8 +74,6 @@ def evaluate(engine: Engine, tokenizer: Any, tasks: Sequence[Task], reward_fn: R
              group_size: int = 1, prompts_per_call: int = 64, success_reward: float = 1.0) -> dict[str, Any]:
     """Roll out `tasks` in memory (no files) and return `eval_metrics`; for quick checks such as
     SFT's stop-on-accuracy. Uses the same prompt encoding, engine call and rewards as rollouts."""
-    from rollout.worker import roll_groups
-
     rows: dict[str, list] = {"task_id": [], "reward": [], "completion_ids": [], "finish_reason": []}
     for start in range(0, len(tasks), prompts_per_call):
         for g in roll_groups(engine, tokenizer, tasks[start:start + prompts_per_call], group_size, sampling, reward_fn):

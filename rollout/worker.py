@@ -17,17 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import click
+
 from coordination import log
 from coordination.checkpoints import CheckpointError, serving_weights
 from coordination.config import load
 from coordination.layout import RunLayout
 from coordination.progress import Progress
-from coordination.records import NotThereYet
+from coordination.records import NotThereYet, restrict_umask
 from rollout import store
 from rollout.chunks import (Manifest, RolloutError, complete_groups, completion_tokens, list_chunks,
                             publish_done, read_chunk, read_done, write_chunk)
 from rollout.config import RolloutConfig
 from rollout.engine import Engine, EngineError, Sample, Sampling
+from rollout.engines.transformers_engine import TransformersEngine
 from rollout.prompts import encode_prompt
 from rollout.rewards import TIMED_OUT, RewardFn, RewardTimeout, load_reward
 from rollout.split import parse_rank_weights, rank_slice, sample_iteration
@@ -278,10 +281,8 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
 def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iteration: int, rank: int,
                generation: int, run_id: str, rank_weights: str, tasks_per_iteration: int, reward: str,
                policy_iteration: int, overrides: tuple[str, ...]) -> RolloutSummary:
-    weights = parse_rank_weights(rank_weights)  # the run's own rule, before torch is imported
+    weights = parse_rank_weights(rank_weights)  # the run's own rule
     cfg = load(RolloutConfig, [], list(overrides))
-    from rollout.engines.transformers_engine import TransformersEngine  # torch: only this command needs it
-
     pool = load_tasks(Path(task_file))
     tasks = pool if tasks_per_iteration == 0 else sample_iteration(
         pool, tasks_per_iteration, seed=cfg.seed, iteration=iteration)
@@ -297,10 +298,6 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
 
 
 def main() -> None:
-    import click
-
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
 
     @click.command(context_settings={"show_default": True})

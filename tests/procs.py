@@ -96,5 +96,5 @@ def wait_for_text(procs: Procs, name: str, text: str, timeout: float) -> float:
 
 
 def bench_node(log_path: Path, rank: int, nodes: int, iterations: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "coordination.bench", "--log-path", str(log_path), "--node-rank", str(rank),
+    return [sys.executable, "-m", "bench.protocol", "--log-path", str(log_path), "--node-rank", str(rank),
             "--nodes", str(nodes), "--iterations", str(iterations), *extra]

@@ -125,7 +125,7 @@ def test_vllm_serves_the_publication_and_sleeps_wakes_and_reloads_on_the_gpu(bas
 
 @pytest.fixture(scope="module")
 def model_200m(tmp_path_factory) -> Path:
-    from train.bench_load_publish import bench_model
+    from bench.load_publish import bench_model
 
     return bench_model(tmp_path_factory.mktemp("gpu-m200") / "model")
 

@@ -399,7 +399,7 @@ def test_kill_during_the_parallel_write_never_publishes_a_partial_checkpoint(bas
 
 @pytest.fixture(scope="module")
 def model_200m(tmp_path_factory) -> Path:
-    from train.bench_load_publish import bench_model
+    from bench.load_publish import bench_model
 
     return bench_model(tmp_path_factory.mktemp("m200") / "model")
 
@@ -408,7 +408,7 @@ def model_200m(tmp_path_factory) -> Path:
 def test_sharded_load_of_a_200m_model_on_two_processes_stays_under_0_6_of_its_fp32_size(model_200m, tmp_path):
     """Each rank's peak RSS during load minus its RSS before loading is at most 0.6 x the float32
     model (a rank's half is 0.5 x); the same logits as a plain load."""
-    from train.bench_load_publish import run_case
+    from bench.load_publish import run_case
     from train.model import load_causal_lm
 
     params = json.loads((model_200m / "baton-tiny.json").read_text())["parameters"]

@@ -5,6 +5,6 @@ to the node's resident trainer (`resident.ResidentTrainer`, `python -m train.tra
 or runs `torchrun ... -m train.trainer --plan PLAN` (command from `launch.torchrun_command`); the
 trainer stages the checkpoint folder and writes per-rank result records (`results.read_results`);
 phase 11 publishes it (`coordination.checkpoints.publish_checkpoint`). `python -m train.sft`
-warm-starts a model, `python -m train.tiny` writes the tiny CPU model, `python -m train.bench`
-measures a step, an iteration (`--iteration`) or loading and publication (`--load-publish`).
+warm-starts a model, `python -m train.tiny` writes the tiny CPU model. The training benchmarks
+live in bench/ (`python -m bench --what train|levers|load-publish|iteration`).
 """

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from coordination.config import ConfigError
 
@@ -65,8 +66,6 @@ def apply_activation_checkpointing(blocks: list[nn.Module], *, freq: int, mode: 
         return 0
     context_fn = None
     if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         ops = resolve_targets(targets)
         context_fn = functools.partial(create_selective_checkpoint_contexts, ops)
     elif mode != "full":

@@ -34,12 +34,18 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import click
+
+from coordination.config import apply_overrides, from_dict, load_yaml, to_dict
+from coordination.records import atomic_output
+from train.config import TrainConfig
+from train.tiny import write_tiny_model
 
 _log = logging.getLogger("baton.train.bench")
 
@@ -78,7 +84,6 @@ def bench_model(model: Path | None, seq_len: int) -> Iterator[Path]:
         yield Path(model)
         return
     from train.model import quiet_transformers
-    from train.tiny import write_tiny_model
 
     quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="baton-bench-model-") as tmp:
@@ -88,8 +93,6 @@ def bench_model(model: Path | None, seq_len: int) -> Iterator[Path]:
 def _fake_rows(rng, vocab: int, seq_len: int, batch: int, algorithm: str) -> list[dict[str, Any]]:
     """Sequences of random tokens: a quarter prompt, the rest completion. Sampling logprobs of
     -log(vocab) keep a random model's importance ratios near 1, as after a real rollout."""
-    import math
-
     prompt = max(1, seq_len // 4)
     rows = []
     for i in range(batch):
@@ -161,7 +164,6 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
                                                         global_completion_tokens=completion, settings=settings,
                                                         info=info), info.device)
         profiled = {"tensors_before_mb": before, "peak_above_mb": above / 2**20, "peak_mb": before + above / 2**20}
-    from coordination.config import to_dict
 
     return {"kind": "baton-train-bench", "entry": entry, "model": str(opts.get("model") or "train.tiny default"),
             "parameters": parameters, "trained_parameters": sum(p.numel() for p in t.params),
@@ -227,8 +229,6 @@ def print_and_write(report: dict[str, Any], output_json: Path | None) -> None:
     if report["device"] != "cuda" and report["peak_tflops"] is None:
         click.echo("MFU needs the device's peak: pass --bench-peak-tflops (CPUs have no table entry)")
     if output_json is not None:
-        from coordination.records import atomic_output
-
         with atomic_output(output_json) as tmp:
             Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
 
@@ -236,9 +236,6 @@ def print_and_write(report: dict[str, Any], output_json: Path | None) -> None:
 def train_config_from(base: dict[str, Any], config_files: tuple[Path, ...], overrides: tuple[str, ...]):
     """TrainConfig from `base` values <- the `train` section of YAML files <- key=value overrides
     (keys with or without the `train.` prefix)."""
-    from coordination.config import apply_overrides, from_dict, load_yaml
-    from train.config import TrainConfig
-
     def merge(into: dict, extra: dict) -> dict:
         out = dict(into)
         for k, v in extra.items():

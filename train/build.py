@@ -21,19 +21,22 @@ import torch
 from torch import nn
 
 from coordination.config import ConfigError
-from train.config import CompileConfig, TrainConfig
+from train.act_checkpoint import apply_activation_checkpointing
+from train.chunked_head import resolve_chunk_size
+from train.config import CompileConfig, TrainConfig, check_world_size
 from train.distributed import DistInfo
 from train.lora import WeightsSource, inject_adapters, merge_sources, weights_source
+from train.model import Policy, compute_dtype, decoder_blocks, load_causal_lm, trainable_parameters
 from train.offload import ActivationOffload, OptimizerStateOffload
+from train.optim import build_optimizer
+from train.parallel import apply_parallelism
+from train.sharded import build_on_meta, can_load_sharded, materialize, missing_names
 
 _log = logging.getLogger("baton.train.build")
 
 
 def preflight(cfg: TrainConfig, info: DistInfo) -> None:
     """Checks of the config against this machine and launch; ConfigError says what to change."""
-    from train.config import check_world_size
-    from train.model import compute_dtype
-
     if cfg.attn == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
             raise ConfigError(f"train.attn=flash_attention_2 needs the flash-attn package, which is not installed for "
@@ -61,8 +64,6 @@ def meta_skeleton(folder: Path, attn: str) -> nn.Module | None:
     """`folder`'s model with its parameters on the meta device when its safetensors files hold every
     parameter under the model's own names, else None (the caller loads it whole: .bin weights, or
     names that only transformers' loading converts)."""
-    from train.sharded import build_on_meta, can_load_sharded, missing_names
-
     if not can_load_sharded(folder):
         return None
     skeleton = build_on_meta(folder, attn)
@@ -81,8 +82,6 @@ def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | N
     fills each rank's shard after FSDP2 (docs/design.md §11.4). LoRA adapters are injected into the
     skeleton and get host memory and their values (fresh, or the checkpoint's) at once: they are
     small, and each rank later keeps its slice."""
-    from train.model import load_causal_lm
-
     weights = weights_source(cfg.lora, Path(source), trainer_state)
     lm = meta_skeleton(weights.base, cfg.attn)
     sharded = lm is not None
@@ -99,8 +98,6 @@ def load_model(cfg: TrainConfig, source: Path, trainer_state: dict[str, Any] | N
 def load_reference(cfg: TrainConfig, folder: Path) -> Loaded:
     """The frozen reference model of the KL penalty (the run's base model), loaded as load_model
     loads the policy: a meta skeleton whose shards make_reference fills, when the files allow."""
-    from train.model import load_causal_lm
-
     weights = WeightsSource(Path(folder), None, False, None)
     lm = meta_skeleton(weights.base, cfg.attn)
     if lm is not None:
@@ -131,10 +128,6 @@ def compile_blocks(blocks: list[nn.Module], cfg: CompileConfig) -> None:
 def make_policy(lm: nn.Module, cfg: TrainConfig, info: DistInfo, *, trainable: bool):
     """Policy with the per-block levers applied (before parallelism). Returns (policy, blocks checkpointed,
     activation offload)."""
-    from train.act_checkpoint import apply_activation_checkpointing
-    from train.chunked_head import resolve_chunk_size
-    from train.model import Policy, decoder_blocks
-
     blocks = decoder_blocks(lm)
     checkpointed = 0
     if trainable:
@@ -154,8 +147,6 @@ def make_policy(lm: nn.Module, cfg: TrainConfig, info: DistInfo, *, trainable: b
 
 
 def parallelize(policy, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
-    from train.parallel import apply_parallelism
-
     return apply_parallelism(policy, cfg.backend, info, dtype, reshard_after_forward=cfg.reshard_after_forward,
                              dp_replicate=cfg.dp_replicate if cfg.backend == "fsdp" else 1,
                              cpu_offload=cfg.fsdp_cpu_offload)
@@ -165,8 +156,6 @@ def parallelize_loaded(policy, loaded: Loaded, cfg: TrainConfig, info: DistInfo,
     """Collective: parallelize `policy` (built on `loaded.lm`) and, for a sharded load, fill its
     parameters: after FSDP2 each rank reads only its shards; DDP replicates, so every rank reads
     all of it before wrapping."""
-    from train.sharded import materialize
-
     if loaded.sharded and cfg.backend != "fsdp":
         materialize(policy, loaded.weights.base, info.device, loaded.extra)
     model = parallelize(policy, cfg, info, dtype)
@@ -179,9 +168,6 @@ def parallelize_loaded(policy, loaded: Loaded, cfg: TrainConfig, info: DistInfo,
 
 def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainable:
     """Collective: apply the levers and the parallelism, build the optimizer."""
-    from train.model import compute_dtype, trainable_parameters
-    from train.optim import build_optimizer
-
     dtype = compute_dtype(cfg.dtype, info.device)
     policy, checkpointed, act_offload = make_policy(loaded.lm, cfg, info, trainable=True)
     model = parallelize_loaded(policy, loaded, cfg, info, dtype)

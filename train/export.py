@@ -28,7 +28,8 @@ from train.config import LoRAConfig
 from train.distributed import DistInfo, agreed, all_reduce_sum
 from train.lora import merge_sources, write_adapters
 from train.model import Policy
-from train.optim_state import has_state as optimizer_has_state, save_optimizer_state, shard_file
+from train.optim_state import OPTIMIZER_DIR, has_state as optimizer_has_state, save_optimizer_state, shard_file
+from train.sharded import gather_adapters, gather_share, write_config, write_share
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any] | None:
@@ -75,9 +76,6 @@ def save_checkpoint(out: Path, *, policy: Policy, optimizer: torch.optim.Optimiz
     With `defer_optimizer` the folder holds no optimizer state and its trainer state says the state
     follows (`optimizer_deferred`): the caller writes it into optimizer/ later (OptimizerWrite).
     Returns whether the optimizer has state (so there is something to write)."""
-    from train.optim_state import OPTIMIZER_DIR
-    from train.sharded import gather_adapters, gather_share, write_config, write_share
-
     use_lora = lora is not None and bool(lora.rank)
     stamp = Stamp(run_id, iteration)  # in every safetensors file's metadata: whose file it is, checked at load
     reshard(policy)

@@ -19,6 +19,7 @@ import resource
 from typing import Any, Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def peak_tensor_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, int]:
@@ -31,7 +32,6 @@ def peak_tensor_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu")
         result = fn()
         torch.cuda.synchronize(device)
         return result, torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()

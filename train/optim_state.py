@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from coordination.checkpoint_files import Stamp, check_stamp, open_listed, stamped
@@ -201,8 +203,6 @@ class OptimizerWrite:
 
     def __init__(self, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, group, rank: int,
                  world_size: int, stamp: Stamp, finish) -> None:
-        import threading
-
         import torch.distributed.checkpoint as dcp
 
         self.folder = Path(folder)
@@ -214,8 +214,6 @@ class OptimizerWrite:
         self._thread.start()
 
     def _run(self, group, rank: int, world_size: int, finish) -> None:
-        import torch.distributed as dist
-
         try:
             self._future.result()
             flags = torch.zeros(world_size)

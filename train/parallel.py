@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 from coordination.config import ConfigError
 from train.config import check_world_size
@@ -31,8 +33,6 @@ from train.model import Policy, decoder_blocks
 
 def device_mesh(info: DistInfo, dp_replicate: int):
     """1-D mesh over all ranks, or the 2-D (dp_replicate, dp_shard) mesh of HSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     check_world_size(dp_replicate, info.world_size)
     if dp_replicate == 1:
         return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
@@ -63,8 +63,6 @@ def apply_parallelism(policy: Policy, backend: str, info: DistInfo, dtype: torch
         register_fsdp_forward_method(policy, "generate")
         return policy
     if backend == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         if dp_replicate != 1 or cpu_offload:
             raise ConfigError("train.dp_replicate and train.fsdp_cpu_offload are FSDP2 options; set train.backend=fsdp")
         policy.to(info.device)

@@ -25,8 +25,17 @@ from pathlib import Path
 
 import click
 
-from train.benchmark import bench_options
+from coordination import log
+from coordination.config import ConfigError
+from coordination.progress import Progress
+from coordination.records import restrict_umask
+from rollout.rewards import load_reward
+from rollout.tasks import load_tasks
+from train.benchmark import bench_model, bench_options, print_and_write, run_bench, train_config_from
 from train.launch import exit_now
+from train.optim import lr_at
+from train.packing import pack_step
+from train.sft_data import load_examples
 
 _log = logging.getLogger("baton.train.sft")
 
@@ -59,7 +68,6 @@ def eval_due(step: int, accuracy: float | None, opts: dict) -> bool:
 def _micro_batches(examples, batch: list[int], info, budget: int, pad_id: int):
     """This rank's micro-batches of a global batch (every rank packs the same batch identically)."""
     from train.batches import collate
-    from train.packing import pack_step
 
     pack = pack_step(batch, [len(examples[i]) for i in batch], budget=budget, world_size=info.world_size)
     mine = pack.ranks[info.rank] + [[]] * (pack.micro_batches_per_rank - len(pack.ranks[info.rank]))
@@ -72,14 +80,9 @@ def _train(opts: dict, cfg, info) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from coordination.progress import Progress
-    from rollout.rewards import load_reward
-    from rollout.tasks import load_tasks
     from train.build import load_model, make_trainable, preflight
     from train.distributed import agreed
     from train.evaluate import greedy_accuracy
-    from train.optim import lr_at
-    from train.sft_data import load_examples
     from train.step import StepSettings, train_step
 
     agreed("checking the trainer settings", info, lambda: preflight(cfg, info))
@@ -162,8 +165,6 @@ def _write_output(opts: dict, t, info, cfg, summary: dict) -> None:
 
 def sft_config(opts: dict):
     """The train config of SFT: its command-line flags <- --config files <- key=value overrides."""
-    from train.benchmark import train_config_from
-
     flags = {"algorithm": "rft", "backend": opts["backend"], "lr": opts["lr"], "weight_decay": opts["weight_decay"],
              "grad_clip": opts["grad_clip"], "micro_batch_tokens": opts["micro_batch_tokens"],
              "warmup_steps": opts["warmup_steps"], "dtype": opts["dtype"], "seed": opts["seed"]}
@@ -171,8 +172,6 @@ def sft_config(opts: dict):
 
 
 def _bench(opts: dict, cfg) -> int:
-    from coordination.config import ConfigError
-    from train.benchmark import bench_model, print_and_write, run_bench
     from train.distributed import init_distributed, shutdown
 
     try:
@@ -191,8 +190,6 @@ def _bench(opts: dict, cfg) -> int:
 
 
 def run_sft(opts: dict) -> int:
-    from coordination import log
-    from coordination.config import ConfigError
     from train.distributed import init_distributed, shutdown
 
     log.setup(f"sft rank{os.environ.get('RANK', '0')}")
@@ -259,8 +256,6 @@ def main(**opts) -> None:
 
     OVERRIDES are train config keys (key=value), e.g. ac.freq=1 lora.rank=8; --bench benchmarks
     SFT steps on fake data instead (no --data or --out)."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if opts["bench"]:
         exit_now(run_sft(opts))

@@ -19,6 +19,7 @@ metadata, and loading a checkpoint of this run checks them on the fd it reads fr
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -28,10 +29,12 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.futures import Future
 
 from coordination.checkpoint_files import Stamp, check_stamp, open_listed, safetensors_header
 from coordination.checkpoints import CheckpointError, stamp_of
 from coordination.records import atomic_output
+from train.model import quiet_transformers
 
 INDEX = "model.safetensors.index.json"
 
@@ -104,8 +107,6 @@ def build_on_meta(folder: Path, attn: str) -> nn.Module:
     """The model of `folder`'s config.json with float32 parameters on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from train.model import quiet_transformers
-
     quiet_transformers()
     try:
         config = AutoConfig.from_pretrained(str(folder))
@@ -130,7 +131,6 @@ def _pread_reader(owner: Stamp | None):
     safetensors as before. Each file is opened by `open_weights` (a checkpoint's: no link, no
     second name, `owner`'s stamp), so the bytes read are the ones checked."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.futures import Future
 
     class PreadReader(HuggingFaceStorageReader):
         def read_data(self, plan, planner):
@@ -351,8 +351,6 @@ def write_share(share: Share, out: Path, rank: int, stamp: Stamp) -> None:
 
 def write_config(policy, out: Path, dtype: torch.dtype) -> None:
     """config.json (its dtype says what the weights are stored in) and generation_config.json."""
-    import copy
-
     config = copy.deepcopy(policy.lm.config)
     config.dtype = dtype
     config.save_pretrained(str(out))

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import click
+from coordination.records import restrict_umask
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Printable ASCII plus newline: enough for arithmetic, chat role markers and short prose.
@@ -97,8 +98,6 @@ def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: in
 @click.option("--seed", default=0, show_default=True)
 def main(out: Path, **kw) -> None:
     """Write a tiny character-level Llama checkpoint for CPU runs."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     path = write_tiny_model(out, **kw)
     n = json.loads((path / "baton-tiny.json").read_text())["parameters"]

@@ -28,12 +28,12 @@ from typing import Any, Callable
 import click
 
 from coordination import log
-from coordination.checkpoints import CheckpointError, is_complete
+from coordination.checkpoints import CheckpointError, is_complete, mark_complete, optimizer_pending, publish_optimizer
 from coordination.clock import Backoff
 from coordination.config import ConfigError, from_dict
 from coordination.layout import RunLayout
 from coordination.records import read_record, restrict_umask
-from train.benchmark import bench_options
+from train.benchmark import bench_model, bench_options, print_and_write, run_bench as run_benchmark, train_config_from
 from train.launch import exit_now
 from train.config import TrainConfig
 from train.resident import Mailbox, watch_driver
@@ -235,7 +235,6 @@ def start_optimizer_write(held: Held, layout, iteration: int, attempt: int, info
     import torch.distributed as dist
 
     from coordination.checkpoint_files import Stamp
-    from coordination.checkpoints import mark_complete, publish_optimizer
     from train.distributed import agreed
     from train.export import prepare_output_dir
     from train.optim_state import OptimizerWrite
@@ -425,7 +424,6 @@ def ensure_optimizer_state(inputs: dict[str, Any], info, layout, run_id: str) ->
     docs/design.md §9.6): checkpoint N's plan is replayed from checkpoint N-1 and its state,
     seeded as before, and the optimizer state it ends with becomes iter-N/optimizer. The weights
     stay the published ones: the caller then loads them with that state."""
-    from coordination.checkpoints import optimizer_pending
     from train.data import read_plan
     from train.distributed import agreed
 
@@ -494,7 +492,6 @@ def _explained(exc: Exception) -> bool:
 
 def bench_command(opts: dict, config_files: tuple[Path, ...], overrides: tuple[str, ...]) -> int:
     """`--bench`: the RL (GRPO) step on fake data; exit 2 on a configuration to fix."""
-    from train.benchmark import bench_model, print_and_write, run_bench as bench, train_config_from
     from train.distributed import init_distributed, shutdown
 
     log.setup(f"bench rank{os.environ.get('RANK', '0')}")
@@ -503,7 +500,7 @@ def bench_command(opts: dict, config_files: tuple[Path, ...], overrides: tuple[s
         cfg = train_config_from({}, config_files, overrides)
         with bench_model(opts["model"], opts["bench_seq_len"]) as model_path:
             info = init_distributed(cfg.collective_timeout)
-            report = bench(cfg, {**opts, "model_path": model_path}, info, entry="trainer",
+            report = run_benchmark(cfg, {**opts, "model_path": model_path}, info, entry="trainer",
                            algorithm="grpo" if cfg.algorithm == "grpo" else "rft")
     except ConfigError as exc:
         _log.error("%s", exc)

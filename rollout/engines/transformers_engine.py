@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,6 @@ class TransformersEngine(Engine):
 
 def merge_adapter(model: Any, adapter_dir: Path, base_dir: Path) -> Any:
     """`model` with the peft LoRA adapter in `adapter_dir` merged into its weights (in place)."""
-    import warnings
-
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 

@@ -1,4 +1,4 @@
-"""`python -m train.bench --iteration [--json]`: what an RL iteration costs with a resident trainer
+"""`python -m bench --what iteration [--json]`: what an RL iteration costs with a resident trainer
 against torchrun started anew every iteration (train.resident=false), in one run.
 
 One node, the tiny Llama of train/tiny.py, arithmetic tasks, N iterations of P prompts x G samples
@@ -16,9 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coordination.layout import RunLayout
+from coordination.records import read_record
+from coordination.report import load_spans
+from rollout.tasks import arithmetic_tasks, write_tasks
+from train.tiny import write_tiny_model
+
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"resident": "train.resident=true", "restart": "train.resident=false"}
-REWARD = "train.bench_iteration:digit_share"
+REWARD = "bench.iteration:digit_share"
 
 
 def digit_share(task, completion_text: str, finish_reason: str) -> float:
@@ -30,9 +36,6 @@ def digit_share(task, completion_text: str, finish_reason: str) -> float:
 
 
 def _assets(root: Path) -> tuple[Path, Path]:
-    from rollout.tasks import arithmetic_tasks, write_tasks
-    from train.tiny import write_tiny_model
-
     data, model = root / "data", root / "model"
     train, ev = arithmetic_tasks(2000, 50, digits=2, seed=3)
     data.mkdir(parents=True)
@@ -44,9 +47,6 @@ def _assets(root: Path) -> tuple[Path, Path]:
 
 def rank0_phase_seconds(log_path: Path) -> dict[int, list[float]]:
     """Seconds each phase took per iteration on rank 0 (work and barrier wait together)."""
-    from coordination.layout import RunLayout
-    from coordination.report import load_spans
-
     per: dict[tuple[int, int], float] = {}
     for s in load_spans(RunLayout(log_path)):
         if s["rank"] == 0:
@@ -60,9 +60,6 @@ def rank0_phase_seconds(log_path: Path) -> dict[int, list[float]]:
 
 def trained_steps(log_path: Path, iterations: int) -> list[int]:
     """Optimizer steps in each iteration's training plan."""
-    from coordination.layout import RunLayout
-    from coordination.records import read_record
-
     layout = RunLayout(log_path)
     return [len(read_record(layout.training_plan(i)).data["steps"]) for i in range(1, iterations + 1)]
 

@@ -1,6 +1,6 @@
 """Throughput of the vLLM engine on CPU: start (CPU recipe), warm up, measure, reload, stop.
 
-`rollout.bench` calls `measure_vllm` for its table; `python -m rollout.bench_vllm --model DIR
+`bench.rollout_speed` calls `measure_vllm` for its table; `python -m bench.vllm_speed --model DIR
 --python PY` runs it alone. Prompts are random token ids and completions have a fixed length
 (EOS ignored), so runs are comparable across models and checkpoints.
 """
@@ -14,17 +14,17 @@ from pathlib import Path
 
 import click
 
+from coordination.records import restrict_umask
 from rollout.engine import Sampling
+from rollout.engines.vllm_engine import VLLMEngine
+from rollout.engines.vllm_server import tied_embeddings
+from rollout.inference import VLLMConfig
 
 
 def measure_vllm(model_dir: Path, python: str, *, prompts: int = 64, n: int = 8, max_new_tokens: int = 32,
                  prompt_len: int = 16, log_file: Path | None = None) -> dict:
     """Samples/s and tokens/s of one vLLM server on `model_dir`, plus start, reload and stop times.
     `python` is the interpreter with vLLM installed (e.g. .venv-vllm/bin/python)."""
-    from rollout.engines.vllm_engine import VLLMEngine
-    from rollout.engines.vllm_server import tied_embeddings
-    from rollout.inference import VLLMConfig
-
     model_dir = Path(model_dir)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -71,8 +71,6 @@ def measure_vllm(model_dir: Path, python: str, *, prompts: int = 64, n: int = 8,
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def main(model_dir: Path, python: str, prompts: int, n: int, max_new_tokens: int, as_json: bool) -> None:
     """Measure vLLM-on-CPU throughput on one checkpoint."""
-    from coordination.records import restrict_umask
-
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     result = measure_vllm(model_dir, python, prompts=prompts, n=n, max_new_tokens=max_new_tokens)
     if as_json:

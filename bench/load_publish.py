@@ -1,7 +1,7 @@
-"""`python -m train.bench --load-publish`: model load memory and publication time, the full-copy
+"""`python -m bench --what load-publish`: model load memory and publication time, the full-copy
 path against the sharded one (docs/design.md §11.4), on 1 and 2 processes.
 
-`python -m train.bench_load_publish MODE MODEL OUT` is one rank of one case (under torchrun):
+`python -m bench.load_publish MODE MODEL OUT` is one rank of one case (under torchrun):
 - `current`: every rank loads the whole float32 model with transformers, then FSDP2 shards it;
   publication gathers the full state dict to rank 0, which writes it alone (save_pretrained);
 - `sharded`: every rank builds the model on the meta device and reads its shard
@@ -18,31 +18,37 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from coordination.checkpoint_files import Stamp
+from coordination.config import from_dict
+from coordination.net import free_port
+from coordination.procgroup import stop_group
+from train.build import Loaded, load_model, make_trainable
+from train.config import TrainConfig
+from train.distributed import init_distributed, shutdown
+from train.export import prepare_output_dir, write_hf_folder
+from train.launch import run_worker, torchrun_command, torchrun_env
+from train.lora import weights_source
 from train.memory import peak_rss_mb, rss_mb
+from train.model import load_causal_lm
+from train.optim_state import MASTER, SEP, _flat, _stamping_writer
+from train.parallel import full_state_dict
+from train.sharded import gather_share, write_config, write_share
+from train.tiny import write_tiny_model
 
 MB = 1024 * 1024
 
 
 def worker(mode: str, model: Path, out: Path) -> None:
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from coordination.checkpoint_files import Stamp
-    from coordination.config import from_dict
-    from train.build import Loaded, load_model, make_trainable
-    from train.config import TrainConfig
-    from train.distributed import init_distributed, shutdown
-    from train.export import prepare_output_dir, write_hf_folder
-    from train.lora import weights_source
-    from train.model import load_causal_lm
-    from train.parallel import full_state_dict
-    from train.sharded import gather_share, write_config, write_share
-
     info = init_distributed(600.0)
     # Code is not model: the model's class (transformers imports it lazily, ~90 MB of modules) is
     # imported before the baseline, in both modes alike.
@@ -92,12 +98,6 @@ def write_state(t, out: Path) -> dict:
     checkpoint (train/optim_state.py: DCP shards, one file per rank), in two parts written apart: AdamW's
     moments, and the float32 value of every trained parameter (the `<fqn>::master` entries). The state is
     a fresh optimizer's (DCP's state dict initialises it): the same shapes and bytes as a trained one."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from coordination.checkpoint_files import Stamp
-    from train.optim_state import MASTER, SEP, _flat, _stamping_writer
-
     flat, _, _ = _flat(t.policy, t.optimizer)
     parts = {"optimizer": {k: v for k, v in flat.items() if not k.endswith(SEP + MASTER)},
              "fp32_state": {k: v for k, v in flat.items() if k.endswith(SEP + MASTER)}}
@@ -115,17 +115,11 @@ def write_state(t, out: Path) -> dict:
 
 def run_case(root: Path, model: Path, mode: str, procs: int, timeout: float) -> list[dict]:
     """Launch one case under torchrun (one OMP thread per rank); returns the ranks' results."""
-    import subprocess
-
-    from coordination.net import free_port
-    from coordination.procgroup import stop_group
-    from train.launch import torchrun_command, torchrun_env
-
     repo = Path(__file__).resolve().parents[1]
     port = free_port("127.0.0.1")
     cmd = torchrun_command(python=sys.executable, nnodes=1, node_rank=0, nproc_per_node=procs,
                            rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"lp-{port}", is_host=True, local_addr=None,
-                           module="train.bench_load_publish", args=[mode, str(model), str(root)])
+                           module="bench.load_publish", args=[mode, str(model), str(root)])
     env = torchrun_env(dict(os.environ, PYTHONPATH=str(repo)), omp_threads=1, socket_ifname=None)
     log = root / f"{mode}-w{procs}.log"
     with open(log, "wb") as fh:
@@ -143,8 +137,6 @@ def run_case(root: Path, model: Path, mode: str, procs: int, timeout: float) -> 
 
 def bench_model(out: Path) -> Path:
     """A ~200M-parameter Llama (train/tiny.py scaled up: hidden 1024, 13 blocks, GQA 16/4 heads)."""
-    from train.tiny import write_tiny_model
-
     return write_tiny_model(out, hidden=1024, layers=13, heads=16, kv_heads=4, intermediate=4096)
 
 
@@ -184,6 +176,4 @@ def run_load_publish(root: Path, timeout: float = 600.0, echo=lambda text: None)
 
 
 if __name__ == "__main__":
-    from train.launch import run_worker
-
     run_worker(worker, sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,4 +1,4 @@
-"""`python -m train.bench --levers [--json]`: each memory/speed lever against the plain trainer.
+"""`python -m bench --what levers [--json]`: each memory/speed lever against the plain trainer.
 
 A small Llama (about 40M parameters by default: hidden 512, 8 layers, vocabulary 32,000) trains
 on fake 1,024-token sequences through `python -m train.trainer --bench`, once per configuration,
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,10 +47,11 @@ LEVERS: list[tuple[str, list[str]]] = [
 
 def write_small_llama(out: Path, *, hidden: int, layers: int, vocab: int, seq_len: int, seed: int = 0) -> int:
     """A randomly initialised Llama folder (no tokenizer: the benchmark feeds token ids); returns its size."""
+    # torch and transformers only once a model is built, so that --help answers at once.
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from train.model import quiet_transformers
+    from train.model import quiet_transformers  # imports torch
 
     quiet_transformers()
     heads = max(1, hidden // 64)
@@ -101,11 +104,8 @@ def run_levers(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
 
 
 def print_levers(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     m = report["model"]
-    table = Table(title=f"train.bench --levers: Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, "
+    table = Table(title=f"bench --what levers: Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, "
                         f"{m['layers']} layers, vocab {m['vocab']:,}), {report['batch_size']} x {report['seq_len']} "
                         f"tokens per step, CPU, {report['threads_per_process']} thread(s)")
     for col in ("lever", "tokens/s", "x plain", "step s", "peak memory", "x plain", "of which the step", "x plain",
