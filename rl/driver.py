@@ -190,6 +190,7 @@ class RLJob:
     def roll_out(self, step: Step, split: str) -> dict:
         # rollout.worker, rollout.aggregate and train.data load pyarrow: imported when a phase
         # needs them, so dry runs and refused commands answer fast.
+        from rollout.envs import load_env
         from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
 
         policy_it, path = self.rollout_policy(step)
@@ -198,7 +199,8 @@ class RLJob:
         sampling, group = sampling_for(self.cfg.rollout, split)
         target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
                                generation=self.node.generation, policy_iteration=policy_it)
-        sampler = Sampler(self.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
+        sampler = Sampler(self.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group,
+                          load_env(self.cfg.tasks.env) if self.cfg.tasks.env else None)
         s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),

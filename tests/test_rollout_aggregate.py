@@ -35,7 +35,7 @@ def rows_for(task_id: str, rewards: list[float], *, rank: int, generation: int =
     return [{"task_id": task_id, "sample_index": j, "prompt": "1+1=", "prompt_ids": [1, 20, 15, 20, 33],
              "completion_ids": [20] * n, "logprobs": [-0.5] * n, "text": "2", "reward": r,
              "finish_reason": "stop" if n < 4 else "length", "policy_iteration": 0, "iteration": 1,
-             "split": split, "rank": rank, "generation": generation}
+             "split": split, "rank": rank, "generation": generation, **store.one_turn(n)}
             for j, (r, n) in enumerate(zip(rewards, lengths))]
 
 
