@@ -22,7 +22,7 @@ class TasksConfig:
         "arithmetic", "reward function: 'arithmetic', 'math', or 'package.module:function' with the signature "
                       "fn(task, completion_text, finish_reason) -> float (see rollout/rewards.py)")
     env: str = option(
-        "", "environment of multi-turn episodes (docs/design.md §7.4): '' = single-turn (the task's prompt, one "
+        "", "environment of multi-turn episodes (docs/design.md §7): '' = single-turn (the task's prompt, one "
             "completion, scored by `reward`); 'calculator', 'guess', or 'package.module:factory', a callable that "
             "takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
             "reward, done). With an environment the episode's reward is the sum of its step rewards")

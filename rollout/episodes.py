@@ -1,4 +1,4 @@
-"""Episodes: the rollout unit, token-exact (docs/design.md §7.4).
+"""Episodes: the rollout unit, token-exact (docs/design.md §7).
 
 An episode is one conversation between the policy and an environment, kept as token ids from
 the start: the chat template's ids of the first messages (`prompt_ids`), then for each turn the
@@ -199,6 +199,7 @@ class _Run:
         same: dict[tuple[int, ...], list[Episode]] = {}
         for ep in ready:
             if ep.length + self.sampling.max_new_tokens > self.max_tokens:
+                self._drop_observation(ep)
                 self._end(ep, "max_tokens")
             else:
                 same.setdefault(tuple(ep.prompt_ids + ep.ids), []).append(ep)
@@ -229,6 +230,17 @@ class _Run:
                                    f"prompts; the engine is broken")
             for i, samples in enumerate(results):
                 land(i, samples)
+
+    @staticmethod
+    def _drop_observation(ep: Episode) -> None:
+        """An observation no turn answers teaches nothing; without it the episode stays within
+        max_episode_tokens (and the trainer's positions), which each turn was checked against."""
+        if ep.turns and ep.loss_mask and not ep.loss_mask[-1]:
+            keep = len(ep.loss_mask)
+            while not ep.loss_mask[keep - 1]:
+                keep -= 1
+            del ep.ids[keep:], ep.loss_mask[keep:], ep.logprobs[keep:]
+            ep.pieces.pop()
 
     @staticmethod
     def _seed_key(ep: Episode) -> str:

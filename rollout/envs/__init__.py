@@ -1,4 +1,4 @@
-"""Environments: what a multi-turn episode talks to (docs/design.md §7.4).
+"""Environments: what a multi-turn episode talks to (docs/design.md §7).
 
 An environment is plain Python, built once per episode by the factory that `tasks.env` names
 (`module:factory`, or a built-in name such as `calculator`):

@@ -1,4 +1,4 @@
-"""Environment calls on worker threads, each with a deadline (docs/design.md §7.4).
+"""Environment calls on worker threads, each with a deadline (docs/design.md §7).
 
 Each call (factory, reset, step, close) runs on its own daemon thread and hands its result to a
 Future, so the rollout loop can go on generating for other episodes while it runs and give up
