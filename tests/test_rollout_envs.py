@@ -1,0 +1,65 @@
+"""The environments that ship with baton: calculator (a tool call, then the answer) and guess
+(higher/lower feedback), stepped as the rollout steps them and run on the tiny model."""
+from __future__ import annotations
+
+import pytest
+
+from rollout.engine import Sampling
+from rollout.engines.transformers_engine import TransformersEngine
+from rollout.envs import Step, check_step, load_env
+from rollout.envs.calculator import evaluate
+from rollout.episodes import Bounds
+from rollout.rewards import load_reward
+from rollout.tasks import Task
+from rollout.worker import roll_groups
+from train.tiny import write_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_calculator_answers_a_tool_call_then_scores_the_answer():
+    env = load_env("calculator")(Task("c1", "What is 17*23?", "391"))
+    assert env.reset() == [{"role": "user", "content": "What is 17*23?"}]
+    assert check_step(env.step("let me see <calc>17*23</calc>")) == Step([{"role": "tool", "content": "391"}], None,
+                                                                         False)
+    assert check_step(env.step("the answer is 391")) == Step([], 1.0, True)
+    assert check_step(env.step("the answer is 390")) == Step([], 0.0, True)
+    assert check_step(env.step("no number at all")) == Step([], 0.0, True)
+
+
+@pytest.mark.parametrize("expression, result", [("17*23", "391"), ("(1+2)*-3", "-9"), ("7/2", "3.5"), ("8/4", "2"),
+                                                ("1/0", "error: division by zero"),
+                                                ("__import__('os')", "error: only numbers"),
+                                                ("2**99", "error: only numbers"), ("1+", "error: cannot parse")])
+def test_calculator_evaluates_arithmetic_only(expression, result):
+    try:
+        value = evaluate(expression)
+    except ValueError as exc:
+        value = f"error: {exc}"
+    assert value.startswith(result)
+
+
+def test_guess_gives_higher_or_lower_and_rewards_few_turns():
+    env = load_env("guess")(Task("g1", "", "37", extra={"low": 1, "high": 64}))
+    assert env.reset() == [{"role": "user", "content": "Guess my number from 1 to 64. Answer with a number."}]
+    assert env.step("32") == Step([{"role": "user", "content": "higher"}], None, False)
+    assert env.step("maybe") == Step([{"role": "user", "content": "Answer with a number."}], None, False)
+    assert env.step("40 or so") == Step([{"role": "user", "content": "lower"}], None, False)
+    assert env.step("37") == Step([], 0.25, True)
+    with pytest.raises(ValueError, match=r"answer 99 is outside low..high = 1..64; fix the task"):
+        load_env("guess")(Task("g2", "", "99", extra={"low": 1, "high": 64}))
+
+
+@pytest.mark.parametrize("spec, task", [("calculator", Task("c", "What is 2+3?", "5")),
+                                        ("guess", Task("g", "", "5", extra={"low": 1, "high": 9}))])
+def test_shipped_environments_run_episodes_on_the_engine(tmp_path, spec, task):
+    engine = TransformersEngine()
+    engine.start(write_tiny_model(tmp_path / "model"))
+    try:
+        groups = roll_groups(engine, engine.tokenizer, [task], 4, Sampling(max_new_tokens=6, seed=3),
+                             load_reward("arithmetic"), env_factory=load_env(spec), bounds=Bounds(3, 256, 30.0))
+    finally:
+        engine.stop()
+    for e in groups[0].episodes:
+        assert e.termination in ("done", "max_turns") and 1 <= e.turns <= 3
+        assert 0.0 <= e.reward <= 1.0 and len(e.ids) == len(e.loss_mask) == len(e.logprobs)
