@@ -62,7 +62,7 @@ class RolloutConfig:
         32, "task prompts per engine call (each with its group of samples) for engines that batch in their "
             "own process (transformers); larger batches are faster but lose more work when a node dies mid-call. "
             "vLLM takes all of a rank's tasks in one rolling window instead (inference.vllm.max_concurrency)")
-    max_turns: int = option(8, "most policy turns of an environment episode; one more ends it (termination max_turns)")
+    max_turns: int = option(8, "most policy turns of an environment episode; one still going after them ends (termination max_turns)")
     max_episode_tokens: int = option(
         4096, "most tokens of an episode (prompt + every turn + every observation), checked before each generation: "
               "an episode that could pass it in its next turn ends (termination max_tokens). The engine's own "

@@ -63,3 +63,19 @@ def test_shipped_environments_run_episodes_on_the_engine(tmp_path, spec, task):
     for e in groups[0].episodes:
         assert e.termination in ("done", "max_turns") and 1 <= e.turns <= 3
         assert 0.0 <= e.reward <= 1.0 and len(e.ids) == len(e.loss_mask) == len(e.logprobs)
+
+
+def test_the_readme_environment_runs_as_written():
+    import re
+
+    from tests.procs import ROOT
+
+    source = re.search(r"```python\n(.*?class WordLadder.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    assert len(source.strip().splitlines()) <= 30
+    scope: dict = {}
+    exec(compile(source, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    env = scope["WordLadder"](Task("w", "", "cold", extra={"start": "cord"}))
+    assert env.reset() == [{"role": "user", "content": "Change one letter at a time: cord -> cold."}]
+    assert check_step(env.step("warm")) == Step([{"role": "user", "content": "'warm' is not one letter from cord."}],
+                                                None, False)
+    assert check_step(env.step("cold")) == Step([], 1.0, True)
