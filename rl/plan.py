@@ -13,6 +13,7 @@ from rl.jobs import JobKind
 from rl.model_inputs import check_model_inputs
 from rl.run_cli import RunArgs
 from rl.runconfig import RunConfig
+from rollout.envs import EnvError, check_env
 from rollout.rewards import RewardError, check_reward
 from rollout.split import sample_iteration, select_eval, split_plan
 from rollout.tasks import TaskFileError, load_tasks
@@ -101,7 +102,8 @@ class RunPlan:
     def check_inputs(self) -> None:
         """Before this node writes anything to the run folder (docs/design.md §5 rule 10): every
         task file this job reads parses (all lines, UTF-8), the reward loads and returns a finite
-        number on a sample task within tasks.reward_timeout, secret references resolve, and the
+        number on a sample task within tasks.reward_timeout, the environment (tasks.env) loads and
+        gives its first messages on a sample task within rollout.env_step_timeout, secret references resolve, and the
         starting model fits the inputs (rl/model_inputs.py). ConfigError (exit 2) names the file
         and line, the reward, the key or the task."""
         kind = self.kind
@@ -111,7 +113,9 @@ class RunPlan:
             pools = [self.pool(split) for split in splits]
             if pools:
                 check_reward(self.cfg.tasks.reward, pools[0][0], self.cfg.tasks.reward_timeout)
-        except (TaskFileError, RewardError) as exc:
+            if pools and self.cfg.tasks.env:
+                check_env(self.cfg.tasks.env, pools[0][0], self.cfg.rollout.env_step_timeout)
+        except (TaskFileError, RewardError, EnvError) as exc:
             raise ConfigError(str(exc)) from None
         for split in splits:   # enough tasks for tasks_per_iteration / eval_tasks: the sampler's own check
             try:

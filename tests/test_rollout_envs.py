@@ -1,6 +1,10 @@
 """The environments that ship with baton: calculator (a tool call, then the answer) and guess
-(higher/lower feedback), stepped as the rollout steps them and run on the tiny model."""
+(higher/lower feedback), stepped as the rollout steps them and run on the tiny model; the README's
+example environment; the start check that resets the environment once before a run writes anything."""
 from __future__ import annotations
+
+import re
+import subprocess
 
 import pytest
 
@@ -10,8 +14,10 @@ from rollout.envs import Step, check_step, load_env
 from rollout.envs.calculator import evaluate
 from rollout.episodes import Bounds
 from rollout.rewards import load_reward
-from rollout.tasks import Task
+from rollout.tasks import Task, arithmetic_tasks, write_tasks
 from rollout.worker import roll_groups
+from tests.e2e import RUN_SH, weightless_model
+from tests.procs import ROOT, env
 from train.tiny import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -66,10 +72,6 @@ def test_shipped_environments_run_episodes_on_the_engine(tmp_path, spec, task):
 
 
 def test_the_readme_environment_runs_as_written():
-    import re
-
-    from tests.procs import ROOT
-
     source = re.search(r"```python\n(.*?class WordLadder.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     assert len(source.strip().splitlines()) <= 30
     scope: dict = {}
@@ -79,3 +81,35 @@ def test_the_readme_environment_runs_as_written():
     assert check_step(env.step("warm")) == Step([{"role": "user", "content": "'warm' is not one letter from cord."}],
                                                 None, False)
     assert check_step(env.step("cold")) == Step([], 1.0, True)
+
+
+class BrokenAtReset:
+    def __init__(self, task):
+        pass
+
+    def reset(self):
+        raise ConnectionError("the browser did not start")
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("tests.test_rollout_envs:BrokenAtReset", r"tasks.env='tests.test_rollout_envs:BrokenAtReset' raised "
+                                              r"ConnectionError: the browser did not start when built and reset on "
+                                              r"task 'train-000000'; fix the environment"),
+    ("tests.no_such_env:Env", r"tasks.env='tests.no_such_env:Env': cannot import module 'tests.no_such_env'"),
+])
+def test_the_dry_run_resets_the_environment_once_and_refuses_a_broken_one_before_writing(tmp_path, spec, says):
+    data, model, log = tmp_path / "data", tmp_path / "model", tmp_path / "run"
+    data.mkdir()
+    train, ev = arithmetic_tasks(64, 8, digits=2, seed=1)
+    write_tasks(data / "train.jsonl", train)
+    write_tasks(data / "eval.jsonl", ev)
+    weightless_model(model)
+    cmd = [RUN_SH, "--data-path", str(data), "--log-path", str(log), "--rl-phase", "both", "--eval-interval", "0",
+           "--dry-run", f"model.path={model}", f"tasks.env={spec}"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert re.search(says, " ".join(res.stderr.split())), res.stderr
+    assert not log.exists()
+    ok = subprocess.run(cmd[:-1] + ["tasks.env=calculator"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr

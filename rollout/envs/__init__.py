@@ -89,3 +89,39 @@ def load_env(spec: str) -> EnvFactory:
         raise EnvError(f"tasks.env={spec!r}: module {module_name!r} has no callable {attr!r}; name a class or "
                        f"function that takes the task and returns an environment")
     return factory
+
+
+def check_env(spec: str, task: Any, timeout: float) -> EnvFactory:
+    """Load `tasks.env`, build its environment for one sample task and run one `reset()`, each
+    within `timeout` seconds, before a run writes anything: an environment that does not load,
+    raises, hangs or gives no first messages is found at the start (exit 2), not in iteration 1."""
+    from rollout.envs.calls import EnvCalls
+
+    factory = load_env(spec)
+    calls = EnvCalls(timeout)
+    fix = "fix the environment (or raise rollout.env_step_timeout if it is only slow)"
+    built: list = []
+
+    def start() -> Any:
+        built.append(factory(task))
+        return built[0].reset()
+
+    fut = calls.submit(start)
+    try:
+        messages = check_messages(fut.result(timeout=timeout), f"tasks.env={spec!r} reset()")
+    except TimeoutError:
+        calls.abandon(fut)
+        raise EnvError(f"tasks.env={spec!r}: building the environment and reset() on task {task['id']!r} did not "
+                       f"return within {timeout:g} s (rollout.env_step_timeout); {fix}") from None
+    except EnvError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's environment is reported as input
+        raise EnvError(f"tasks.env={spec!r} raised {type(exc).__name__}: {exc} when built and reset on task "
+                       f"{task['id']!r}; {fix}") from None
+    finally:
+        if built and callable(getattr(built[0], "close", None)):
+            calls.submit(built[0].close)
+    if not messages:
+        raise EnvError(f"tasks.env={spec!r}: reset() gave no messages on task {task['id']!r}; it must return the "
+                       f"first messages of the episode")
+    return factory
