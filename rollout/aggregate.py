@@ -130,7 +130,7 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float]:
 
 
 def _episode_stats(table: pa.Table, success_reward: float) -> dict[str, Any]:
-    """Success rate, turns per episode and how episodes ended (rollout/episodes.py TERMINATIONS)."""
+    """Success rate, turns per episode and how episodes ended (`termination`, rollout/episodes.py)."""
     if table.num_rows == 0:
         return {"success_rate": 0.0, "turns_mean": 0.0, "turns_max": 0, "terminations": {}}
     turns = table["turns"].to_numpy().astype(np.float64)

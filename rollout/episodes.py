@@ -35,8 +35,8 @@ from rollout.tasks import Task
 
 _log = log.get("episodes")
 
-TERMINATIONS = ("done", "max_turns", "max_tokens", "env_error", "timeout")
-# Episodes that ended for their environment's fault: no reward, and their group is not trained on.
+# An episode ends done, max_turns, max_tokens, env_error or timeout. The last two are its
+# environment's fault: no reward, and its group is not trained on.
 FAILED = ("env_error", "timeout")
 
 

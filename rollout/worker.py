@@ -1,5 +1,5 @@
-"""The rollout worker: one rank's share of an iteration's tasks -> scored samples -> chunk files
--> DONE (docs/design.md §6 phases 1 and 5).
+"""The rollout worker: one rank's share of an iteration's tasks -> scored episodes (groups of G per
+task, rollout/episodes.py) -> chunk files -> DONE (docs/design.md §6 phases 1 and 5, §7).
 
 Resumable by construction. Chunks are immutable and named with the writer's generation, so a
 restarted (or fenced) process never overwrites anything. On start the worker reads every chunk
@@ -117,12 +117,15 @@ def _resume(layout: RunLayout, split: str, iteration: int, rank: int, generation
             manifest.chunks.append({"name": chunk.name, "task_ids": taken})
             manifest.completion_tokens += completion_tokens(table, taken)
             missing.difference_update(taken)
-            failures.extend(r for r in zip(*(table[c].to_pylist() for c in ("task_id", "sample_index", "termination",
-                                                                             "error")))
-                            if r[0] in taken and r[2] in FAILED)
+            failures += _failed(table, set(taken))
     manifest.resumed_tasks = len(ids) - len(missing)
     manifest.samples = manifest.resumed_tasks * group_size
     return manifest, (chunks[-1].seq + 1 if chunks else 0), failures
+
+
+def _failed(table: Any, task_ids: set[str]) -> list[tuple]:
+    rows = zip(*(table[c].to_pylist() for c in ("task_id", "sample_index", "termination", "error")))
+    return [r for r in rows if r[0] in task_ids and r[2] in FAILED]
 
 
 def check_env_errors(failures: list[tuple], episodes: int, max_rate: float, *, rank: int, split: str,

@@ -12,8 +12,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from rollout.chunks import RolloutError
 
-class EnvHangs(RuntimeError):
+
+class EnvHangs(RolloutError):
     """Too many abandoned environment calls are still running."""
 
 
