@@ -64,9 +64,10 @@ class RolloutConfig:
             "vLLM takes all of a rank's tasks in one rolling window instead (inference.vllm.max_concurrency)")
     max_turns: int = option(8, "most policy turns of an environment episode; one still going after them ends (termination max_turns)")
     max_episode_tokens: int = option(
-        4096, "most tokens of an episode (prompt + every turn + every observation), checked before each generation: "
-              "an episode that could pass it in its next turn ends (termination max_tokens). The engine's own "
-              "position limit, when lower, bounds it too")
+        4096, "most tokens of an environment episode (prompt + every turn + every observation), checked before each "
+              "generation: an episode that could pass it in its next turn ends (termination max_tokens). With "
+              "tasks.env it must fit the model's positions (checked at the start). A single-turn task is one turn of "
+              "max_new_tokens, its prompt checked against the model's positions")
     env_step_timeout: float = option(
         60.0, "seconds one environment call (factory + reset, step, close) may take; past it the episode ends "
               "(termination timeout) and the call is abandoned on its thread")

@@ -42,8 +42,9 @@ FAILED = ("env_error", "timeout")
 
 @dataclass(frozen=True)
 class Bounds:
-    """Limits of every episode: policy turns, tokens (prompt + all turns, checked before each
-    generation so that a turn never runs past it) and seconds per environment call."""
+    """Limits of an environment episode: policy turns, tokens (prompt + all turns and observations,
+    checked before each generation so that a turn never runs past it) and seconds per
+    environment call."""
 
     max_turns: int
     max_tokens: int
@@ -103,9 +104,9 @@ class _Run:
         self.engine, self.tokenizer, self.group_size, self.sampling = engine, tokenizer, group_size, sampling
         self.reward_fn, self.factory, self.bounds, self.on_group = reward_fn, env_factory, bounds, on_group
         self.seed_of = seed_of or (lambda keys: sampling.seed)
-        # The engine's own position limit bounds an episode too: past it the engine refuses the prompt.
-        positions = getattr(engine, "max_positions", None)
-        self.max_tokens = min(bounds.max_tokens, positions) if positions else bounds.max_tokens
+        # A single-turn episode is one turn of max_new_tokens, its prompt checked against the
+        # model's positions at the start (rl/model_inputs.py); the episode bound is for environments.
+        self.max_tokens = bounds.max_tokens if env_factory is not None else None
         self.calls = EnvCalls(bounds.step_timeout) if env_factory is not None else None
         self.observation = ObservationTokens(tokenizer) if env_factory is not None else None
         self.ready: list[Episode] = []
@@ -198,7 +199,7 @@ class _Run:
         # Episodes with the same ids so far (a group's first turn) are one prompt with n samples.
         same: dict[tuple[int, ...], list[Episode]] = {}
         for ep in ready:
-            if ep.length + self.sampling.max_new_tokens > self.max_tokens:
+            if self.max_tokens is not None and ep.length + self.sampling.max_new_tokens > self.max_tokens:
                 self._drop_observation(ep)
                 self._end(ep, "max_tokens")
             else:

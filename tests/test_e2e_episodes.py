@@ -20,7 +20,8 @@ def test_one_node_trains_on_guess_episodes(procs, tmp_path, assets):
     log = fresh_log(tmp_path)
     procs.start("n0", node_cmd(data, model, log, "--rl-phase", "both", "--eval-interval", "0",
                                overrides=("run.max_iterations=1", "tasks.env=guess", "rollout.max_turns=3",
-                                          "rollout.max_new_tokens=3")))
+                                          "rollout.max_new_tokens=3",
+                                          "rollout.max_episode_tokens=256")))
     assert procs.wait_all(400) == {"n0": 0}, procs.log("n0")[-3000:]
     lay = RunLayout(log)
     table = rows(lay, 1)

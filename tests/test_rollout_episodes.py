@@ -42,7 +42,7 @@ class Recording:
 
     def __init__(self, inner):
         self.inner, self.name, self.rolling, self.samples = inner, "recording", False, []
-        self.max_positions, self.tokenizer = inner.max_positions, inner.tokenizer
+        self.tokenizer = inner.tokenizer
 
     def generate(self, prompts, n, sampling):
         out = self.inner.generate(prompts, n, sampling)
