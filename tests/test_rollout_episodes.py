@@ -173,6 +173,21 @@ def test_a_slow_environment_does_not_hold_up_the_other_episodes(engine):
     assert order == [("fast", False), ("slow", True)]
 
 
+def test_environment_steps_of_a_round_run_at_the_same_time(engine):
+    # Each first step waits until all six are inside step(): run one after another, the first
+    # would wait for ever (the barrier's 20 s ends it) and every episode would end env_error.
+    together = threading.Barrier(6, timeout=20)
+
+    class Together(Talk):
+        def step(self, text):
+            if self.n == 0:
+                together.wait()
+            return super().step(text)
+
+    episodes = [e for g in run(engine, Together, turns=2) for e in g.episodes]
+    assert [(e.termination, e.turns) for e in episodes] == [("done", 2)] * 6
+
+
 def test_the_rank_fails_above_the_error_rate_quoting_the_first_errors_and_records_errors_below_it(engine, tmp_path):
     def run_rank(layout, rate):
         cfg = RolloutConfig(group_size=2, max_new_tokens=6, max_env_error_rate=rate)
