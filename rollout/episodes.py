@@ -38,6 +38,7 @@ _log = log.get("episodes")
 # An episode ends done, max_turns, max_tokens, env_error or timeout. The last two are its
 # environment's fault: no reward, and its group is not trained on.
 FAILED = ("env_error", "timeout")
+_CALLS = {"reset": "the factory or reset()", "step": "step()"}  # what an error names
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class _Run:
                 del self.pending[fut]
                 exc = fut.exception()
                 if exc is not None:
-                    self._end(ep, "env_error", f"{what}() raised {type(exc).__name__}: {exc}")
+                    self._end(ep, "env_error", f"{_CALLS[what]} raised {type(exc).__name__}: {exc}")
                 elif what == "reset":
                     self._started(ep, fut.result())
                 else:
@@ -163,7 +164,7 @@ class _Run:
             elif now >= deadline:
                 del self.pending[fut]
                 self.calls.abandon(fut)
-                self._end(ep, "timeout", f"{what}() did not return within rollout.env_step_timeout="
+                self._end(ep, "timeout", f"{_CALLS[what]} did not return within rollout.env_step_timeout="
                                          f"{self.bounds.step_timeout:g} s")
 
     def _started(self, ep: Episode, value: Any) -> None:

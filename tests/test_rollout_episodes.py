@@ -158,6 +158,24 @@ def test_every_termination_reason_is_recorded_with_its_error(engine, env, bounds
             assert e.turns == 1 and e.reward == 0.0
 
 
+class NoFirstMessages(Talk):
+    def reset(self):
+        return []
+
+
+def refuses(task):
+    raise KeyError("the task has no 'start' word")
+
+
+@pytest.mark.parametrize("env, error", [
+    (refuses, "the factory or reset() raised KeyError: \"the task has no 'start' word\""),
+    (NoFirstMessages, "reset() returned no messages; it must give the first messages"),
+])
+def test_an_environment_that_cannot_start_ends_its_episodes_before_any_turn(engine, env, error):
+    for e in [e for g in run(engine, env) for e in g.episodes]:
+        assert (e.termination, e.error, e.turns, e.ids, e.reward) == ("env_error", error, 0, [], 0.0)
+
+
 def test_a_slow_environment_does_not_hold_up_the_other_episodes(engine):
     order = []
 
