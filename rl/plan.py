@@ -103,8 +103,8 @@ class RunPlan:
         """Before this node writes anything to the run folder (docs/design.md §5 rule 10): every
         task file this job reads parses (all lines, UTF-8), the reward loads and returns a finite
         number on a sample task within tasks.reward_timeout, the environment (tasks.env) loads and
-        gives its first messages on a sample task within rollout.env_step_timeout, secret references resolve, and the
-        starting model fits the inputs (rl/model_inputs.py). ConfigError (exit 2) names the file
+        gives its first messages on a sample task within rollout.env_step_timeout, secret
+        references resolve, and the starting model fits the inputs (rl/model_inputs.py). ConfigError (exit 2) names the file
         and line, the reward, the key or the task."""
         kind = self.kind
         splits = (["train"] if kind.rolls_out else []) + \

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
+import time
 
 import pytest
 
 from rollout.engine import Sampling
 from rollout.engines.transformers_engine import TransformersEngine
-from rollout.envs import Step, check_step, load_env
+from rollout.envs import EnvError, Step, check_env, check_step, load_env
 from rollout.envs.calculator import evaluate
 from rollout.episodes import Bounds
 from rollout.rewards import load_reward
@@ -117,3 +119,25 @@ def test_the_dry_run_resets_the_environment_once_and_refuses_a_broken_one_before
         return
     assert res.returncode == 2, res.stdout + res.stderr
     assert re.search(says, " ".join(res.stderr.split())), res.stderr
+
+
+class HangsAtReset:
+    release = None
+
+    def __init__(self, task):
+        pass
+
+    def reset(self):
+        HangsAtReset.release.wait()
+
+
+def test_the_start_check_gives_up_on_a_hanging_reset_at_the_timeout():
+    HangsAtReset.release = threading.Event()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EnvError, match=r"tasks.env='tests.test_rollout_envs:HangsAtReset': building the "
+                                           r"environment and reset\(\) on task 't' did not return within 0.5 s"):
+            check_env("tests.test_rollout_envs:HangsAtReset", Task("t", "p", "1"), 0.5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        HangsAtReset.release.set()

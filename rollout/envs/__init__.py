@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -107,12 +108,12 @@ def check_env(spec: str, task: Any, timeout: float) -> EnvFactory:
         return built[0].reset()
 
     fut = calls.submit(start)
-    try:
-        messages = check_messages(fut.result(timeout=timeout), f"tasks.env={spec!r} reset()")
-    except TimeoutError:
+    if not wait([fut], timeout=timeout).done:
         calls.abandon(fut)
         raise EnvError(f"tasks.env={spec!r}: building the environment and reset() on task {task['id']!r} did not "
-                       f"return within {timeout:g} s (rollout.env_step_timeout); {fix}") from None
+                       f"return within {timeout:g} s (rollout.env_step_timeout); {fix}")
+    try:
+        messages = check_messages(fut.result(), f"tasks.env={spec!r} reset()")
     except EnvError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the user's environment is reported as input
