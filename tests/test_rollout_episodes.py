@@ -20,6 +20,7 @@ from rollout.prompts import ObservationTokens, chat_ids
 from rollout.rewards import load_reward
 from rollout.tasks import Task
 from rollout.worker import RolloutTarget, Sampler, roll_groups, rollout_rank, sampling_for
+from tests.test_vllm_lifecycle import checkpoint, make, stand_in  # noqa: F401 - fixtures of the stand-in server
 from train.batches import collate
 from train.tiny import write_tiny_model
 
@@ -252,3 +253,27 @@ def test_load_env_names_the_spec_and_the_fix():
                        ("tests.test_rollout_episodes:missing", "has no callable 'missing'")]:
         with pytest.raises(EnvError, match=says):
             load_env(spec)
+
+
+def test_vllm_episodes_send_each_turn_as_the_ids_so_far_and_keep_the_ids_the_server_returned(tmp_path, stand_in,
+                                                                                             checkpoint, engine):
+    # The stand-in server answers sample j of a request with [last + j] * j + [EOS], `last` being
+    # the prompt's last id: what it returns shows which ids it was sent.
+    tok = engine.tokenizer
+    vllm = make(tmp_path, stand_in, max_concurrency=2)
+    try:
+        vllm.start(checkpoint)
+        groups = roll_groups(vllm, tok, tasks(3, turns=2), 3, Sampling(max_new_tokens=6, seed=1), REWARD,
+                             env_factory=Talk, bounds=Bounds(8, 256, 30.0))
+    finally:
+        vllm.stop()
+    obs = ObservationTokens(tok)([{"role": "user", "content": "again 1"}])
+    eos = tok.eos_token_id
+    for g in groups:
+        for e in g.episodes:
+            first = [e.prompt_ids[-1] + e.index] * e.index + [eos]
+            assert (e.termination, e.turns) == ("done", 2)
+            assert e.ids == first + obs + [eos]  # the second request was n=1 for prompt + first + obs
+            assert e.loss_mask == [1] * len(first) + [0] * len(obs) + [1]
+            assert e.logprobs == [-0.5] * e.index + [-1.5] + [0.0] * len(obs) + [-1.5]
+    assert vllm.stats.requests == 3 + 9  # a group's first turns in one request, then one per episode
