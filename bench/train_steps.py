@@ -51,7 +51,8 @@ def _trajectories(layout, tokenizer_size: int, prompts: int, samples: int, compl
             rows.append({"task_id": f"t{t}", "sample_index": s, "prompt": "", "prompt_ids": prompt,
                          "completion_ids": completion, "logprobs": [-4.6] * completion_tokens, "text": "",
                          "reward": float(rng.random() < 0.5), "finish_reason": "stop", "policy_iteration": 0,
-                         "iteration": 1, "split": "train", "rank": 0, "generation": 1})
+                         "iteration": 1, "split": "train", "rank": 0, "generation": 1,
+                         **store.one_turn(completion_tokens)})
     store.write_rows(layout.rollout_all("train", 1), rows, run_id="bench")
 
 

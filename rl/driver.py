@@ -35,6 +35,7 @@ from rl.plan import RUNS_WHEN, RunPlan, job_plan
 from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
 from rl.training import TrainerLifecycle
+from rollout.envs import load_env
 from rollout.rewards import load_reward
 from train.benchmark import render_table
 
@@ -145,7 +146,8 @@ class RLJob:
         sampling, group = sampling_for(self.cfg.rollout, split)
         target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
                                generation=self.node.generation, policy_iteration=policy_it)
-        sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group)
+        sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group,
+                          load_env(self.cfg.tasks.env) if self.cfg.tasks.env else None)
         s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),

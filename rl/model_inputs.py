@@ -84,6 +84,10 @@ def check_model_inputs(cfg: Any, pools: dict[str, tuple[Sequence[Any], Path]]) -
         return  # the model states no limit: the engine is the judge
     max_new = cfg.rollout.max_new_tokens
     check_max_new_tokens(max_new, context, max_model_len)
+    if cfg.tasks.env and cfg.rollout.max_episode_tokens > context:
+        raise ConfigError(f"rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} is more than "
+                          f"{_where(context, max_model_len)}: an episode could outgrow the model; set "
+                          f"rollout.max_episode_tokens={context} or lower")
     if not pools:
         return
     from transformers import AutoTokenizer

@@ -129,6 +129,18 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float]:
             "p50": float(p50), "p90": float(p90), "max": float(lengths.max())}
 
 
+def _episode_stats(table: pa.Table, success_reward: float) -> dict[str, Any]:
+    """Success rate, turns per episode and how episodes ended (`termination`, rollout/episodes.py)."""
+    if table.num_rows == 0:
+        return {"success_rate": 0.0, "turns_mean": 0.0, "turns_max": 0, "terminations": {}}
+    turns = table["turns"].to_numpy().astype(np.float64)
+    ended = pc.value_counts(table["termination"]).to_pylist()
+    return {"success_rate": float(pc.mean(pc.cast(pc.greater_equal(table["reward"], success_reward),
+                                                     pa.float64())).as_py()),
+            "turns_mean": float(turns.mean()), "turns_max": int(turns.max()),
+            "terminations": {d["values"]: int(d["counts"]) for d in sorted(ended, key=lambda d: d["values"])}}
+
+
 def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manifests: Mapping[int, Manifest],
                   generations: Mapping[int, int], *, split: str, iteration: int, group_size: int,
                   success_reward: float) -> dict[str, Any]:
@@ -162,6 +174,7 @@ def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manife
         # Samples whose reward ran past tasks.reward_timeout (reward 0, not trained on).
         "reward_timeouts": int(pc.sum(pc.equal(table["finish_reason"], TIMED_OUT)).as_py() or 0)
         if table.num_rows else 0,
+        "episodes": _episode_stats(table, success_reward),
         "wall_seconds": wall,
         "tokens_per_s": sum(m.generated_tokens for m in manifests.values()) / wall if wall > 0 else 0.0,
         "per_rank": per_rank,

@@ -88,10 +88,11 @@ def complete_groups(table: pa.Table, wanted: set[str], group_size: int) -> set[s
 
 
 def completion_tokens(table: pa.Table, task_ids: Sequence[str]) -> int:
+    """The policy's tokens (loss mask 1) in the rows of `task_ids`."""
     if not task_ids:
         return 0
     rows = table.filter(pc.is_in(table["task_id"], value_set=pa.array(list(task_ids), pa.string())))
-    return int(pc.sum(pc.list_value_length(rows["completion_ids"])).as_py() or 0)
+    return int(pc.sum(pc.list_flatten(rows["loss_mask"])).as_py() or 0)
 
 
 @dataclass

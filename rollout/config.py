@@ -21,6 +21,11 @@ class TasksConfig:
     reward: str = option(
         "arithmetic", "reward function: 'arithmetic', 'math', or 'package.module:function' with the signature "
                       "fn(task, completion_text, finish_reason) -> float (see rollout/rewards.py)")
+    env: str = option(
+        "", "environment of multi-turn episodes (docs/design.md §7): '' = single-turn (the task's prompt, one "
+            "completion, scored by `reward`); 'calculator', 'guess', or 'package.module:factory', a callable that "
+            "takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
+            "reward, done). With an environment the episode's reward is the sum of its step rewards")
     reward_timeout: float = option(
         30.0, "seconds one reward call may take: a longer one at the start check refuses the run (exit 2); during a "
               "rollout it ends that sample (finish_reason reward_timeout, reward 0, counted in the rollout stats, "
@@ -57,15 +62,34 @@ class RolloutConfig:
         32, "task prompts per engine call (each with its group of samples) for engines that batch in their "
             "own process (transformers); larger batches are faster but lose more work when a node dies mid-call. "
             "vLLM takes all of a rank's tasks in one rolling window instead (inference.vllm.max_concurrency)")
+    max_turns: int = option(8, "most policy turns of an environment episode; one still going after them ends (termination max_turns)")
+    max_episode_tokens: int = option(
+        4096, "most tokens of an environment episode (prompt + every turn + every observation), checked before each "
+              "generation: an episode that could pass it in its next turn ends (termination max_tokens). With "
+              "tasks.env it must fit the model's positions (checked at the start). A single-turn task is one turn of "
+              "max_new_tokens, its prompt checked against the model's positions")
+    env_step_timeout: float = option(
+        60.0, "seconds one environment call (factory + reset, step, close) may take; past it the episode ends "
+              "(termination timeout) and the call is abandoned on its thread")
+    max_env_error_rate: float = option(
+        0.1, "a rank's rollout fails, quoting the first errors, when more than this fraction of its episodes of "
+             "an iteration ended with env_error or timeout; those episodes' groups are never trained on")
     success_reward: float = option(
         1.0, "a sample counts as solved (pass@k, all-solved/none-solved groups) when its reward is at least this")
 
     def __post_init__(self) -> None:
-        for key in ("group_size", "max_new_tokens", "eval_group_size", "chunk_groups", "prompts_per_call"):
+        for key in ("group_size", "max_new_tokens", "eval_group_size", "chunk_groups", "prompts_per_call", "max_turns",
+                    "max_episode_tokens", "env_step_timeout"):
             positive(getattr(self, key), key)
         non_negative(self.temperature, "temperature")
         non_negative(self.eval_temperature, "eval_temperature")
         positive(self.chunk_seconds, "chunk_seconds")
+        if not 0 <= self.max_env_error_rate <= 1:
+            raise ConfigError(f"max_env_error_rate must be in [0, 1] (got {self.max_env_error_rate}); 0 fails on the "
+                              f"first environment error, 1 never fails")
+        if self.max_episode_tokens <= self.max_new_tokens:
+            raise ConfigError(f"max_episode_tokens={self.max_episode_tokens} leaves no room for a prompt beside "
+                              f"max_new_tokens={self.max_new_tokens}; raise max_episode_tokens")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1] (got {self.top_p}); 1 disables nucleus sampling")
         if self.eval_temperature == 0 and self.eval_group_size > 1:

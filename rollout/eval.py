@@ -77,11 +77,11 @@ def evaluate(engine: Engine, tokenizer: Any, tasks: Sequence[Task], reward_fn: R
     rows: dict[str, list] = {"task_id": [], "reward": [], "completion_ids": [], "finish_reason": []}
     for start in range(0, len(tasks), prompts_per_call):
         for g in roll_groups(engine, tokenizer, tasks[start:start + prompts_per_call], group_size, sampling, reward_fn):
-            for s, r in zip(g.samples, g.rewards):
+            for e in g.episodes:
                 rows["task_id"].append(g.task.id)
-                rows["reward"].append(r)
-                rows["completion_ids"].append(s.token_ids)
-                rows["finish_reason"].append(s.finish_reason)
+                rows["reward"].append(e.reward)
+                rows["completion_ids"].append(e.ids)
+                rows["finish_reason"].append(e.finish_reason)
     table = pa.table({"task_id": pa.array(rows["task_id"], pa.string()),
                       "reward": pa.array(rows["reward"], pa.float32()),
                       "completion_ids": pa.array(rows["completion_ids"], pa.list_(pa.int32())),

@@ -19,11 +19,18 @@ SCHEMA = pa.schema([
     pa.field("sample_index", pa.int32(), nullable=False),
     pa.field("prompt", pa.string()),                       # prompt text, for people and reports
     pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    # An episode after its prompt: the policy's turns and the environment's answers, as token ids.
     pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),  # sampling logprob of each completion token
-    pa.field("text", pa.string()),                         # decoded completion
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),  # sampling logprob per token; 0 on context
+    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),    # 1 on the policy's tokens
+    pa.field("turn_starts", pa.list_(pa.int32()), nullable=False),  # offset of each policy turn in completion_ids
+    pa.field("turns", pa.int32(), nullable=False),
+    pa.field("termination", pa.string(), nullable=False),  # done, max_turns, max_tokens, env_error or timeout
+    pa.field("error", pa.string()),                        # why an env_error or timeout episode ended
+    pa.field("reward_parts", pa.list_(pa.float32()), nullable=False),  # the environment's step rewards
+    pa.field("text", pa.string()),                         # decoded turns and observations
     pa.field("reward", pa.float32(), nullable=False),
-    pa.field("finish_reason", pa.string()),                # "stop" (eos) or "length"
+    pa.field("finish_reason", pa.string()),                # of the last turn: "stop" (eos) or "length"
     pa.field("policy_iteration", pa.int32(), nullable=False),  # checkpoint iteration that sampled it (0 = base)
     pa.field("iteration", pa.int32(), nullable=False),     # rollout iteration it belongs to
     pa.field("split", pa.string(), nullable=False),        # "train" or "eval"
@@ -39,6 +46,13 @@ RUN_ID_KEY = b"baton.run_id"
 
 class TrajectoryFileError(ValueError):
     """A trajectory file that is missing, unreadable or of another schema; names the file."""
+
+
+def one_turn(completion_tokens: int) -> dict[str, Any]:
+    """The episode columns of a one-turn episode that ended `done` with `completion_tokens` sampled
+    tokens: what a single-turn task's row carries (benchmarks and tests that write rows by hand)."""
+    return {"loss_mask": [1] * completion_tokens, "turn_starts": [0], "turns": 1, "termination": "done",
+            "error": None, "reward_parts": []}
 
 
 def to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:

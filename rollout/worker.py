@@ -1,5 +1,5 @@
-"""The rollout worker: one rank's share of an iteration's tasks -> scored samples -> chunk files
--> DONE (docs/design.md §6 phases 1 and 5).
+"""The rollout worker: one rank's share of an iteration's tasks -> scored episodes (groups of G per
+task, rollout/episodes.py) -> chunk files -> DONE (docs/design.md §6 phases 1 and 5, §7).
 
 Resumable by construction. Chunks are immutable and named with the writer's generation, so a
 restarted (or fenced) process never overwrites anything. On start the worker reads every chunk
@@ -10,7 +10,6 @@ buffer; nothing is duplicated because DONE names exactly which chunk each task i
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ from rollout import store
 from rollout.chunks import (Manifest, RolloutError, complete_groups, completion_tokens, list_chunks,
                             publish_done, read_chunk, read_done, write_chunk)
 from rollout.config import RolloutConfig
-from rollout.engine import Engine, EngineError, Sample, Sampling
+from rollout.engine import Engine, EngineError, Sampling
 from rollout.engines.transformers_engine import TransformersEngine
-from rollout.prompts import encode_prompt
-from rollout.rewards import TIMED_OUT, RewardFn, RewardTimeout, load_reward
+from rollout.envs import EnvError, EnvFactory, load_env
+from rollout.episodes import FAILED, Bounds, EpisodeGroup, run_episodes
+from rollout.rewards import RewardFn, load_reward
 from rollout.split import parse_rank_weights, rank_slice, sample_iteration
 from rollout.tasks import Task, load_tasks
 
@@ -51,16 +51,6 @@ class RolloutSummary:
     generated_tokens: int = 0
 
 
-@dataclass
-class Group:
-    """One task's samples with their rewards."""
-
-    task: Task
-    prompt_ids: list[int]
-    samples: list[Sample]
-    rewards: list[float]
-
-
 def sampling_for(cfg: RolloutConfig, split: str) -> tuple[Sampling, int]:
     """(Sampling, group size) of a split: training rollouts sample, eval rollouts use the eval settings."""
     if split == "eval":
@@ -77,47 +67,34 @@ def call_seed(base: int | None, split: str, iteration: int, task_ids: Sequence[s
 
 
 def roll_groups(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_size: int, sampling: Sampling,
-                reward_fn: RewardFn) -> list[Group]:
-    """Sample `group_size` completions of each task in one engine call and score every one."""
-    prompt_ids = [encode_prompt(tokenizer, t) for t in tasks]
-    results = engine.generate(prompt_ids, group_size, sampling)
-    if len(results) != len(tasks):
-        raise RolloutError(f"engine {engine.name} returned samples for {len(results)} of {len(tasks)} prompts; "
-                           f"the engine is broken")
-    return [_scored(engine, task, ids, samples, group_size, reward_fn)
-            for task, ids, samples in zip(tasks, prompt_ids, results)]
+                reward_fn: RewardFn, *, env_factory: EnvFactory | None = None,
+                bounds: Bounds | None = None) -> list[EpisodeGroup]:
+    """`group_size` scored episodes of each task, in memory, in task order (eval without files)."""
+    groups: dict[str, EpisodeGroup] = {}
+    run_episodes(engine, tokenizer, tasks, group_size, sampling, reward_fn=reward_fn, env_factory=env_factory,
+                 bounds=bounds or bounds_of(RolloutConfig()), on_group=lambda g: groups.__setitem__(g.task.id, g))
+    return [groups[t.id] for t in tasks]
 
 
-def _scored(engine: Engine, task: Task, prompt_ids: list[int], samples: list[Sample], group_size: int,
-            reward_fn: RewardFn) -> Group:
-    if len(samples) != group_size:
-        raise RolloutError(f"engine {engine.name} returned {len(samples)} samples for task {task.id}, not "
-                           f"{group_size}; the engine is broken")
-    samples, rewards = list(samples), []
-    for i, s in enumerate(samples):
-        try:
-            rewards.append(reward_fn(task, s.text, s.finish_reason))
-        except RewardTimeout as exc:
-            # One hung call must not stall the rank: the sample ends here, with its reason in its
-            # row (counted by aggregation, its group kept out of training) and in the log.
-            _log.warning("sample %d of task %s ends without a reward: %s", i, task.id, exc)
-            samples[i] = dataclasses.replace(s, finish_reason=TIMED_OUT)
-            rewards.append(0.0)
-    return Group(task, prompt_ids, samples, rewards)
+def bounds_of(cfg: RolloutConfig) -> Bounds:
+    return Bounds(cfg.max_turns, cfg.max_episode_tokens, cfg.env_step_timeout)
 
 
-def _rows(group: Group, *, split: str, iteration: int, rank: int, generation: int, policy_iteration: int) -> list[dict]:
+def _rows(group: EpisodeGroup, *, split: str, iteration: int, rank: int, generation: int,
+          policy_iteration: int) -> list[dict]:
     return [{
-        "task_id": group.task.id, "sample_index": j, "prompt": group.task.prompt, "prompt_ids": group.prompt_ids,
-        "completion_ids": s.token_ids, "logprobs": s.logprobs, "text": s.text, "reward": r,
-        "finish_reason": s.finish_reason, "policy_iteration": policy_iteration, "iteration": iteration,
-        "split": split, "rank": rank, "generation": generation,
-    } for j, (s, r) in enumerate(zip(group.samples, group.rewards))]
+        "task_id": group.task.id, "sample_index": e.index, "prompt": group.task.prompt, "prompt_ids": e.prompt_ids,
+        "completion_ids": e.ids, "logprobs": e.logprobs, "loss_mask": e.loss_mask, "turn_starts": e.turn_starts,
+        "turns": e.turns, "termination": e.termination, "error": e.error or None, "reward_parts": e.reward_parts,
+        "text": e.text, "reward": e.reward, "finish_reason": e.finish_reason, "policy_iteration": policy_iteration,
+        "iteration": iteration, "split": split, "rank": rank, "generation": generation,
+    } for e in group.episodes]
 
 
 def _resume(layout: RunLayout, split: str, iteration: int, rank: int, generation: int, run_id: str,
-            ids: list[str], group_size: int) -> tuple[Manifest, int]:
-    """Chunks already written for this rank: (manifest of what they cover, next sequence number)."""
+            ids: list[str], group_size: int) -> tuple[Manifest, int, list[tuple]]:
+    """Chunks already written for this rank: (manifest of what they cover, next sequence number,
+    the failed episodes among them as (task, sample, termination, error))."""
     rank_dir = layout.rollout_rank_dir(split, iteration, rank)
     chunks = list_chunks(rank_dir)
     newer = [c.name for c in chunks if c.generation > generation]
@@ -127,11 +104,13 @@ def _resume(layout: RunLayout, split: str, iteration: int, rank: int, generation
     order = {t: i for i, t in enumerate(ids)}
     manifest = Manifest(split, iteration, rank, group_size, policy_iteration=0)
     missing = set(ids)
+    failures: list[tuple] = []
     for chunk in chunks:
         if not missing:
             break
         try:
-            table = read_chunk(chunk.path, run_id=run_id, columns=["task_id", "sample_index", "completion_ids"])
+            table = read_chunk(chunk.path, run_id=run_id, columns=["task_id", "sample_index", "loss_mask",
+                                                                     "termination", "error"])
         except store.TrajectoryFileError as exc:
             # Chunks are published atomically, so this is damage, not a race; its tasks are redone.
             _log.warning("rank %d: ignoring unreadable chunk (its tasks will be rolled out again): %s", rank, exc)
@@ -141,9 +120,27 @@ def _resume(layout: RunLayout, split: str, iteration: int, rank: int, generation
             manifest.chunks.append({"name": chunk.name, "task_ids": taken})
             manifest.completion_tokens += completion_tokens(table, taken)
             missing.difference_update(taken)
+            failures += _failed(table, set(taken))
     manifest.resumed_tasks = len(ids) - len(missing)
     manifest.samples = manifest.resumed_tasks * group_size
-    return manifest, (chunks[-1].seq + 1 if chunks else 0)
+    return manifest, (chunks[-1].seq + 1 if chunks else 0), failures
+
+
+def _failed(table: Any, task_ids: set[str]) -> list[tuple]:
+    rows = zip(*(table[c].to_pylist() for c in ("task_id", "sample_index", "termination", "error")))
+    return [r for r in rows if r[0] in task_ids and r[2] in FAILED]
+
+
+def check_env_errors(failures: list[tuple], episodes: int, max_rate: float, *, rank: int, split: str,
+                     iteration: int) -> None:
+    """Fail the rank's rollout when more than `max_rate` of its `episodes` ended for their
+    environment's fault, quoting the first errors: an environment that mostly fails is broken,
+    and training on what is left of it would hide that."""
+    if episodes and len(failures) > max_rate * episodes:
+        quoted = "; ".join(f"task {t} episode {i} ({term}): {err}" for t, i, term, err in failures[:3])
+        raise RolloutError(f"rank {rank} {split} iter {iteration}: {len(failures)} of {episodes} episodes ended with "
+                           f"an environment error or timeout, more than rollout.max_env_error_rate={max_rate:g}; "
+                           f"first errors: {quoted}. Fix the environment (or raise rollout.max_env_error_rate)")
 
 
 @dataclass(frozen=True)
@@ -162,8 +159,9 @@ class RolloutTarget:
 
 @dataclass(frozen=True)
 class Sampler:
-    """How the samples are made and scored: the engine and its tokenizer, the rollout config, the
-    reward, and the split's sampling settings and group size (`sampling_for`)."""
+    """How the episodes are made and scored: the engine and its tokenizer, the rollout config, the
+    reward, the split's sampling settings and group size (`sampling_for`), and the environment
+    factory of multi-turn episodes (None: single-turn tasks, scored by the reward)."""
 
     engine: Engine
     tokenizer: Any
@@ -171,12 +169,13 @@ class Sampler:
     reward_fn: RewardFn
     sampling: Sampling
     group_size: int
+    env_factory: EnvFactory | None = None
 
 
 def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task], *,
                  on_progress: Callable[[int, int, str], None] | None = None,
                  fence: Callable[[], None] | None = None) -> RolloutSummary:
-    """Roll out this rank's `tasks` (G = `sampler.group_size` samples each), write chunks and DONE.
+    """Roll out this rank's `tasks` (G = `sampler.group_size` episodes each), write chunks and DONE.
 
     Idempotent: a DONE of this generation or an older one that already lists every task is
     (re)published under this generation and returned without generating anything."""
@@ -207,7 +206,7 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
         return RolloutSummary(total, previous.samples, previous.completion_tokens, time.monotonic() - t0,
                               len(previous.chunks), resumed_tasks=total)
 
-    manifest, seq = _resume(layout, split, iteration, rank, generation, run_id, ids, group_size)
+    manifest, seq, failures = _resume(layout, split, iteration, rank, generation, run_id, ids, group_size)
     manifest.policy_iteration = policy_iteration
     covered = {t for c in manifest.chunks for t in c["task_ids"]}
     todo = [t for t in tasks if t.id not in covered]
@@ -215,7 +214,7 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
               rank, split, iteration, total, group_size, len(covered), len(todo))
     report(len(covered), total, f"rolling out {len(covered)}/{total} {split} tasks")
 
-    buffer: list[Group] = []
+    buffer: list[EpisodeGroup] = []
     last_flush = time.monotonic()
 
     def flush() -> None:
@@ -236,34 +235,34 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
     with Progress(f"rank {rank} {split} rollout iter {iteration}", total=len(todo), unit="tasks") as bar:
         finished = len(covered)
 
-        def take(groups: list[Group]) -> None:
+        def take(group: EpisodeGroup) -> None:
             nonlocal finished
-            tokens = sum(len(s.token_ids) for g in groups for s in g.samples)
-            manifest.generated_samples += len(groups) * group_size
+            tokens = sum(sum(e.loss_mask) for e in group.episodes)
+            failures.extend((group.task.id, e.index, e.termination, e.error) for e in group.episodes
+                            if e.termination in FAILED)
+            manifest.generated_samples += group_size
             manifest.generated_tokens += tokens
-            manifest.samples += len(groups) * group_size
+            manifest.samples += group_size
             manifest.completion_tokens += tokens
-            buffer.extend(groups)
+            buffer.append(group)
             if len(buffer) >= cfg.chunk_groups or time.monotonic() - last_flush >= cfg.chunk_seconds:
                 flush()
-            bar.advance(len(groups), samples=len(groups) * group_size, tokens=tokens)
-            finished += len(groups)
+            bar.advance(1, samples=group_size, tokens=tokens)
+            finished += 1
             report(finished, total, f"rolling out {finished}/{total} {split} tasks")
 
-        if engine.rolling and todo:
-            # One call for all of them: the engine keeps its window of requests full to the last
-            # task, and each group lands in the next chunk as soon as it is scored (in the order
-            # they finish; a chunk names its tasks, so resuming does not depend on the order).
-            call = dataclasses.replace(sampling, seed=call_seed(sampling.seed, split, iteration, [t.id for t in todo]))
-            prompt_ids = [encode_prompt(tokenizer, t) for t in todo]
-            engine.generate(prompt_ids, group_size, call, on_result=lambda i, samples: take(
-                [_scored(engine, todo[i], prompt_ids[i], samples, group_size, reward_fn)]))
-        else:
-            for start in range(0, len(todo), cfg.prompts_per_call):
-                batch = todo[start:start + cfg.prompts_per_call]
-                call = dataclasses.replace(sampling, seed=call_seed(sampling.seed, split, iteration, [t.id for t in batch]))
-                take(roll_groups(engine, tokenizer, batch, group_size, call, reward_fn))
+        # A rolling engine (vLLM) takes every task at once and keeps its window of requests full to
+        # the last one; an engine that batches in its own process gets prompts_per_call tasks a time.
+        # Either way each group lands in the next chunk as soon as its last episode ends (in the order
+        # they finish; a chunk names its tasks, so resuming does not depend on the order).
+        per_call = len(todo) if engine.rolling else cfg.prompts_per_call
+        for start in range(0, len(todo), max(per_call, 1)):
+            batch = todo[start:start + per_call]
+            run_episodes(engine, tokenizer, batch, group_size, sampling, reward_fn=reward_fn,
+                         env_factory=sampler.env_factory, bounds=bounds_of(cfg), on_group=take,
+                         seed_of=lambda keys: call_seed(sampling.seed, split, iteration, keys))
         flush()
+    check_env_errors(failures, total * group_size, cfg.max_env_error_rate, rank=rank, split=split, iteration=iteration)
     manifest.seconds = time.monotonic() - gen_t0
     fence()
     publish_done(done_path, manifest, run_id=run_id, generation=generation)
@@ -279,7 +278,7 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
 # -- command line: roll out one rank by hand (and the crash-and-restart tests) -----------------
 
 def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iteration: int, rank: int,
-               generation: int, run_id: str, rank_weights: str, tasks_per_iteration: int, reward: str,
+               generation: int, run_id: str, rank_weights: str, tasks_per_iteration: int, reward: str, env: str,
                policy_iteration: int, overrides: tuple[str, ...]) -> RolloutSummary:
     weights = parse_rank_weights(rank_weights)  # the run's own rule
     cfg = load(RolloutConfig, [], list(overrides))
@@ -294,7 +293,8 @@ def _main_impl(log_path: str, model_dir: str, task_file: str, split: str, iterat
         engine.set_adapter(adapter)
         return rollout_rank(RolloutTarget(RunLayout(Path(log_path)), split, iteration, rank, run_id=run_id,
                                           generation=generation, policy_iteration=policy_iteration),
-                            Sampler(engine, engine.tokenizer, cfg, load_reward(reward), sampling, group_size), mine)
+                            Sampler(engine, engine.tokenizer, cfg, load_reward(reward), sampling, group_size,
+                                    load_env(env) if env else None), mine)
 
 
 def main() -> None:
@@ -312,6 +312,8 @@ def main() -> None:
     @click.option("--rank-weights", default="1", help="comma-separated weight per rank")
     @click.option("--tasks-per-iteration", type=int, default=0, help="seeded sample size; 0 = the whole file")
     @click.option("--reward", default="arithmetic", help="arithmetic | math | package.module:function")
+    @click.option("--env", default="", help="environment of multi-turn episodes: calculator | guess | "
+                                            "package.module:factory; empty = single-turn tasks")
     @click.option("--policy-iteration", type=int, default=0, help="checkpoint iteration that samples")
     @click.argument("overrides", nargs=-1)
     def cli(**kw: Any) -> None:
@@ -321,7 +323,7 @@ def main() -> None:
         overrides = kw.pop("overrides")
         try:
             summary = _main_impl(overrides=overrides, **kw)
-        except (ValueError, RolloutError, EngineError, CheckpointError) as exc:
+        except (ValueError, RolloutError, EngineError, CheckpointError, EnvError) as exc:
             raise click.ClickException(str(exc)) from None
         click.echo(f"{summary.tasks} tasks, {summary.samples} samples ({summary.resumed_tasks} tasks resumed), "
                    f"{summary.chunks} chunks, {summary.seconds:.1f} s")

@@ -49,6 +49,8 @@ LATE_IMPORTS = {
                           "modules load when a benchmark runs",
     "train/export.py": "transformers (the tokenizer copy) and torch.distributed.fsdp only on the paths that use them",
     "train/lora.py": "peft, safetensors and transformers only when LoRA is configured",
+    "rollout/envs/__init__.py": "its call pool (calls.py) imports pyarrow through rollout.chunks; run.sh's input "
+                                "rules import this module on every start, with or without tasks.env",
     "train/trainer_memory.py": "train.chunked_head imports torch; the memory plan runs in the CLI before torch loads",
     "train/model.py": "transformers (about 1 s beyond torch) only where a model is loaded",
     "train/offload.py": "torch.distributed.tensor (about 1.4 s beyond torch) only when FSDP shards the model",

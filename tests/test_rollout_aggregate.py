@@ -35,7 +35,7 @@ def rows_for(task_id: str, rewards: list[float], *, rank: int, generation: int =
     return [{"task_id": task_id, "sample_index": j, "prompt": "1+1=", "prompt_ids": [1, 20, 15, 20, 33],
              "completion_ids": [20] * n, "logprobs": [-0.5] * n, "text": "2", "reward": r,
              "finish_reason": "stop" if n < 4 else "length", "policy_iteration": 0, "iteration": 1,
-             "split": split, "rank": rank, "generation": generation}
+             "split": split, "rank": rank, "generation": generation, **store.one_turn(n)}
             for j, (r, n) in enumerate(zip(rewards, lengths))]
 
 
@@ -252,3 +252,18 @@ def test_group_with_repeated_sample_index_is_an_error_naming_rank_and_done(tmp_p
     with pytest.raises(AggregationError, match=rf"rank 1: {done} lists task 'b' with sample indices \[0, 0\], "
                                                rf"expected 0..1 once each"):
         aggregate(layout, "train", 1, ranks={0: 1, 1: 1}, run_id=RUN_ID, group_size=2)
+
+
+def test_episode_stats_count_success_turns_and_terminations(tmp_path):
+    layout = RunLayout(tmp_path)
+    write_rank(layout, 0, {"a": [1.0, 0.0], "b": [0.0, 1.0]})
+    chunk = layout.rollout_chunk("train", 1, 0, 0, 1)
+    table = store.read_table(chunk)
+    rows = table.to_pylist()
+    for row, (turns, termination) in zip(rows, [(3, "done"), (5, "max_turns"), (1, "env_error"), (2, "done")]):
+        row.update(turns=turns, termination=termination)
+    chunk.unlink()
+    write_chunk(chunk, rows, run_id=RUN_ID, generation=1)
+    stats = aggregate(layout, "train", 1, ranks={0: 1}, run_id=RUN_ID, group_size=2)
+    assert stats["episodes"] == {"success_rate": 0.5, "turns_mean": 11 / 4, "turns_max": 5,
+                                 "terminations": {"done": 2, "env_error": 1, "max_turns": 1}}

@@ -130,11 +130,12 @@ def _create_go(lay: RunLayout) -> None:
 
 
 def _write_chunk(lay: RunLayout) -> None:
+    from rollout import store
     from rollout.chunks import write_chunk
 
     row = dict(task_id="t", sample_index=0, prompt="p", prompt_ids=[1], completion_ids=[2], logprobs=[-0.1],
                text="x", reward=1.0, finish_reason="stop", policy_iteration=0, iteration=3, split="train", rank=0,
-               generation=1)
+               generation=1, **store.one_turn(1))
     write_chunk(lay.rollout_chunk("train", 3, 0, 0, 1), [row], run_id=RUN, generation=1)
 
 
@@ -530,7 +531,7 @@ def test_training_data_is_never_prepared_from_another_runs_trajectories(tmp_path
     lay = _run(tmp_path / "run")
     row = dict(task_id="t", sample_index=0, prompt="p", prompt_ids=[1, 5], completion_ids=[6, 2],
                logprobs=[-0.5, -0.5], text="x", reward=1.0, finish_reason="stop", policy_iteration=0, iteration=1,
-               split="train", rank=0, generation=1)
+               split="train", rank=0, generation=1, **store.one_turn(2))
     store.write_rows(lay.rollout_all("train", 1), [row, dict(row, sample_index=1, reward=0.0)], run_id="run-a")
     with pytest.raises(TrainingDataError, match="belongs to run run-a, not to this run run-b"):
         prepare_training_data(lay, 1, TrainConfig(micro_batch_tokens=64), run_id=RUN, world_size=1,

@@ -18,7 +18,7 @@ def _row(task: str, s: int, reward: float, prompt_len: int = 4, completion_len: 
     return {"task_id": task, "sample_index": s, "prompt": "p", "prompt_ids": [1] + [5] * (prompt_len - 1),
             "completion_ids": [6 + s] * (completion_len - 1) + [2], "logprobs": [-0.5] * completion_len,
             "text": "x", "reward": reward, "finish_reason": "stop", "policy_iteration": 0, "iteration": 1,
-            "split": "train", "rank": 0, "generation": 1}
+            "split": "train", "rank": 0, "generation": 1, **store.one_turn(completion_len)}
 
 
 def _write(layout: RunLayout, rows: list[dict], iteration: int = 1) -> None:

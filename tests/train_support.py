@@ -64,7 +64,7 @@ def write_trajectories(layout: RunLayout, iteration: int, model_dir: Path, *, ta
             rows.append({"task_id": task["id"], "sample_index": s, "prompt": task["prompt"], "prompt_ids": pids,
                          "completion_ids": cids, "text": text, "reward": 1.0 if right else 0.0,
                          "finish_reason": "stop", "policy_iteration": policy_iteration, "iteration": iteration,
-                         "split": "train", "rank": 0, "generation": 1})
+                         "split": "train", "rank": 0, "generation": 1, **store.one_turn(len(cids))})
     for row, lp in zip(rows, model_logprobs(model_dir, prompts, completions)):
         row["logprobs"] = lp
     return store.write_rows(layout.rollout_all("train", iteration), rows, run_id="run-t")

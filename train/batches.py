@@ -1,7 +1,9 @@
 """Training shards (one Parquet file per trainer rank) and the tensors of a micro-batch.
 
-A shard row is one sample placed in (step, micro_batch) by the plan: prompt and completion
-token ids, the sampling logprob of each completion token, and its advantage. A rank reads only
+A shard row is one episode placed in (step, micro_batch) by the plan: prompt and completion
+token ids, the sampling logprob of each completion token, the loss mask (1 on the policy's
+tokens, 0 on template and environment tokens) and its advantage, which applies to every policy
+token of the episode. A rank reads only
 its own shard and checks it against the plan's SHA-256 before use.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ SHARD_SCHEMA = pa.schema([
     pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("completion_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
     pa.field("advantage", pa.float32(), nullable=False),
 ])
 
@@ -73,7 +76,7 @@ def read_shard(path: Path, sha256: str) -> dict[tuple[int, int], list[dict[str, 
 @dataclass
 class MicroBatch:
     """Right-padded tensors of one micro-batch. Position t of the [B, T-1] tensors is the
-    prediction of input token t+1; `loss_mask` is 1 exactly on completion tokens."""
+    prediction of input token t+1; `loss_mask` is 1 exactly on the policy's completion tokens."""
 
     input_ids: Any
     attention_mask: Any
@@ -97,8 +100,9 @@ class MicroBatch:
 
 
 def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
-    """Rows with prompt_ids, completion_ids and optionally logprobs and advantage -> a MicroBatch.
-    Rows without logprobs (SFT) get zeros; rows without an advantage get 1."""
+    """Rows with prompt_ids, completion_ids and optionally logprobs, loss_mask and advantage -> a
+    MicroBatch. Rows without logprobs (SFT) get zeros; rows without a loss mask train on every
+    completion token (SFT examples are all policy); rows without an advantage get 1."""
     import torch
 
     if not rows:
@@ -117,7 +121,14 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> MicroBatch:
                              f"every prompt needs at least one token (a BOS) to predict from")
         input_ids[i, :p + c] = torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]), dtype=torch.long)
         attention[i, :p + c] = 1
-        loss_mask[i, p - 1:p - 1 + c] = 1.0
+        mask = r.get("loss_mask")
+        if mask is None:
+            loss_mask[i, p - 1:p - 1 + c] = 1.0
+        elif len(mask) != c:
+            raise ValueError(f"sample {r.get('task_id')}/{r.get('sample_index')} has {c} completion tokens but "
+                             f"{len(mask)} loss mask entries; the trajectory is broken")
+        else:
+            loss_mask[i, p - 1:p - 1 + c] = torch.tensor(list(mask), dtype=torch.float32)
         if r.get("logprobs") is not None:
             old[i, p - 1:p - 1 + c] = torch.tensor(r["logprobs"], dtype=torch.float32)
         adv[i, :] = float(r.get("advantage", 1.0))

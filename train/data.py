@@ -26,6 +26,7 @@ from coordination.config import to_dict
 from coordination.layout import RunLayout
 from coordination.records import NotThereYet, WrongRun, publish_record, read_record
 from rollout import store
+from rollout.episodes import FAILED
 from rollout.rewards import TIMED_OUT
 from train.advantages import Selection, grpo_selection, rft_selection
 from train.batches import sha256_of, write_shard
@@ -35,7 +36,8 @@ from train.packing import pack_step, split_steps
 _log = logging.getLogger("baton.train.data")
 
 PLAN_KIND = "training-plan"
-_COLUMNS = ["task_id", "sample_index", "prompt_ids", "completion_ids", "logprobs", "reward", "finish_reason"]
+_COLUMNS = ["task_id", "sample_index", "prompt_ids", "completion_ids", "logprobs", "loss_mask", "reward",
+            "finish_reason", "termination"]
 
 
 class TrainingDataError(ValueError):
@@ -82,10 +84,11 @@ def _read_trajectories(path: Path, iteration: int, run_id: str) -> dict[str, lis
         raise TrainingDataError(f"{exc}; phase 3 (aggregate train rollouts) of iteration {iteration} must "
                                 f"finish before training data can be prepared") from None
     rows = table.to_pydict()
-    for i, (ids, lps) in enumerate(zip(rows["completion_ids"], rows["logprobs"])):
-        if len(ids) != len(lps):
+    for i, (ids, lps, mask) in enumerate(zip(rows["completion_ids"], rows["logprobs"], rows["loss_mask"])):
+        if not len(ids) == len(lps) == len(mask):
             raise TrainingDataError(f"{path}: row {i} (task {rows['task_id'][i]}) has {len(ids)} completion tokens "
-                                    f"but {len(lps)} logprobs; the rollout that wrote it is broken")
+                                    f"but {len(lps)} logprobs and {len(mask)} loss mask entries; the rollout that "
+                                    f"wrote it is broken")
     return rows
 
 
@@ -109,8 +112,9 @@ def _plan_steps(rows: dict[str, list], kept: list[tuple[int, float]], cfg: Train
                     "step": step, "micro_batch": m, "task_id": rows["task_id"][i],
                     "sample_index": rows["sample_index"][i], "prompt_ids": rows["prompt_ids"][i],
                     "completion_ids": rows["completion_ids"][i], "logprobs": rows["logprobs"][i],
-                    "advantage": advantage[i]} for i in members)
-        steps.append({"samples": len(part), "completion_tokens": sum(len(rows["completion_ids"][i]) for i, _ in part),
+                    "loss_mask": rows["loss_mask"][i], "advantage": advantage[i]} for i in members)
+        # The loss is normalised by the policy's tokens only: environment tokens are context.
+        steps.append({"samples": len(part), "completion_tokens": sum(sum(rows["loss_mask"][i]) for i, _ in part),
                       "tokens": sum(lengths), "micro_batches_per_rank": pack.micro_batches_per_rank})
     return steps, shard_rows
 
@@ -152,11 +156,13 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
     source = layout.rollout_all("train", iteration)
     rows = _read_trajectories(source, iteration, run_id)
     selection = select(rows, cfg)
-    # A sample without completion tokens has nothing to train on. A group with a sample whose
-    # reward ran past tasks.reward_timeout has no honest advantages: its 0 is not a score.
+    # A sample without policy tokens has nothing to train on. A group with a sample whose reward
+    # ran past tasks.reward_timeout, or whose environment failed (env_error, timeout), has no
+    # honest advantages: its 0 is not a score.
     timed_out = {t for t, f in zip(rows["task_id"], rows["finish_reason"]) if f == TIMED_OUT}
+    env_failed = {t for t, term in zip(rows["task_id"], rows["termination"]) if term in FAILED}
     kept = [(i, a) for i, a in zip(selection.indices, selection.advantages)
-            if rows["completion_ids"][i] and rows["task_id"][i] not in timed_out]
+            if any(rows["loss_mask"][i]) and rows["task_id"][i] not in timed_out | env_failed]
     steps, shard_rows = _plan_steps(rows, kept, cfg, world_size, data_seed(cfg.seed, iteration))
 
     shards = []
@@ -176,10 +182,11 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
             "every group has zero advantage (all samples of each task got the same reward)"
             if cfg.algorithm == "grpo" else f"no sample reached train.rft_min_reward={cfg.rft_min_reward}") + (
             f"; {len(timed_out)} groups left out for a reward that ran past tasks.reward_timeout"
-            if timed_out else ""),
+            if timed_out else "") + (
+            f"; {len(env_failed)} groups left out for an episode whose environment failed" if env_failed else ""),
         "stats": {"samples": len(rewards), "samples_kept": len(kept), "groups": selection.groups,
                   "groups_kept": selection.groups_kept, "zero_advantage_groups": selection.zero_advantage_groups,
-                  "reward_timeout_groups": len(timed_out),
+                  "reward_timeout_groups": len(timed_out), "env_failed_groups": len(env_failed),
                   "mean_reward": float(rewards.mean()) if len(rewards) else 0.0,
                   "completion_tokens": sum(s["completion_tokens"] for s in steps)},
     }

@@ -11,6 +11,7 @@ from rl.model_inputs import check_model_inputs
 from rl.plan import job_plan
 from rl.validate import Failure, Rule, by_message, failures
 from rollout.inference import VLLM_LORA_RANKS
+from rollout.envs import EnvError, check_env
 from rollout.rewards import RewardError, check_reward
 from rollout.tasks import TaskFileError
 from train.config import check_world_size
@@ -110,6 +111,18 @@ def reward_scores(r: RunInputs) -> str | None:
     return None
 
 
+def env_starts(r: RunInputs) -> str | None:
+    """The environment (tasks.env) loads and gives its first messages on a sample task within
+    rollout.env_step_timeout."""
+    if not (r.splits and r.cfg.tasks.env):
+        return None
+    try:
+        check_env(r.cfg.tasks.env, r.plan.pool(r.splits[0])[0], r.cfg.rollout.env_step_timeout)
+    except EnvError as exc:
+        return str(exc)
+    return None
+
+
 def enough_tasks(r: RunInputs) -> str | None:
     """tasks_per_iteration / eval_tasks fit the files (the sampler's own check)."""
     for split in r.splits:
@@ -152,6 +165,7 @@ RUN_RULES: tuple[Rule, ...] = (
     Rule("flash-attn-installed", flash_attn_installed),
     Rule("task-files", task_files),
     Rule("reward-scores", reward_scores, needs=("task-files",)),
+    Rule("env-starts", env_starts, needs=("task-files",)),
     Rule("enough-tasks", enough_tasks, needs=("task-files",)),
     Rule("secrets-resolve", secrets_resolve),
     Rule("model-fits-inputs", model_fits_inputs, needs=("model-path-given", "model-path-exists", "task-files")),
