@@ -53,6 +53,7 @@ FLAG_CASES = [  # (flags, rule, what its message must say)
     (dict(W2, master=True, worker=1), "rank-known", "--master and --worker are exclusive"),
     (dict(W2, worker=0), "rank-known", "--worker 0 is the master: use --master"),
     (dict(W3, worker=3), "rank-known", "between 1 and 2 for 3 nodes (got 3)"),
+    (dict(worker=1), "rank-known", "--num-nodes 1 has only the master, but this node says rank 1; use --master"),
     (dict(W2, environ={"RANK": "x"}), "rank-known",
      "RANK='x' in the environment is not a node rank; unset it or give --worker R"),
     (dict(W2, worker=1, environ={"NODE_RANK": "0"}), "rank-known",

@@ -10,7 +10,6 @@ order), and DDP and FSDP2 agree.
 from __future__ import annotations
 
 import math
-import resource
 import time
 from dataclasses import asdict, dataclass
 
@@ -21,6 +20,7 @@ from train.batches import MicroBatch
 from train.config import CLIP_HIGH, CLIP_LOW
 from train.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from train.loss import micro_batch_loss
+from train.memory import peak_rss_mb
 from train.optim import set_lr
 from train.parallel import accumulation_context, clip_grad_norm, compute_context
 
@@ -74,7 +74,7 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak accelerator memory of this step on CUDA; the process's peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_mb()
 
 
 def train_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,

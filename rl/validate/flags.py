@@ -109,6 +109,9 @@ def _node_rank(f: Flags) -> tuple[int | None, str | None]:
         if n == 1:
             return 0, None
         return None, f"say which node this is: --master on one node and --worker R (1..{n - 1}) on the others"
+    if not 0 <= rank < n and n == 1:
+        return None, (f"--num-nodes 1 has only the master, but this node says rank {rank}; use --master, or "
+                      f"give --num-nodes (and --rank-weights) for every node of the job")
     if not 0 <= rank < n:
         return None, f"--worker rank must be between 1 and {n - 1} for {n} nodes (got {rank})"
     return rank, None
