@@ -179,7 +179,7 @@ def main(**kw) -> None:
         if args.kind.trains:
             from train.config import check_launch
 
-            check_launch(cfg.train, args.num_nodes)
+            check_launch(cfg.train, args.num_nodes, cfg.model.path)
         if args.bench is None:
             from train.memory_check import check_memory
 
