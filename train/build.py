@@ -158,7 +158,7 @@ def parallelize(policy, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) ->
 
     return apply_parallelism(policy, cfg.backend, info, dtype, reshard_after_forward=cfg.reshard_after_forward,
                              dp_replicate=cfg.dp_replicate if cfg.backend == "fsdp" else 1,
-                             cpu_offload=cfg.fsdp_cpu_offload)
+                             cpu_offload=cfg.fsdp_cpu_offload, ep=cfg.ep)
 
 
 def parallelize_loaded(policy, loaded: Loaded, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:

@@ -93,7 +93,7 @@ def check_launch(cfg: "TrainConfig", num_nodes: int, model_path: str | Path = ""
 
 def check_ep_levers(cfg: "TrainConfig") -> None:
     """The levers expert parallelism combines with in this build: FSDP2 over a 1-D mesh, no LoRA,
-    no FSDP2 CPU offload (the experts are sharded outside FSDP2)."""
+    no FSDP2 CPU offload (the experts are sharded outside FSDP2, train/expert.py)."""
     if cfg.ep < 1:
         raise ConfigError(f"train.ep must be at least 1 (got {cfg.ep}); 1 = no expert parallelism")
     if cfg.ep == 1:
