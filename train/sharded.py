@@ -296,7 +296,10 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
     rank holds its share of the published model (about 1/world of it) plus one tensor in flight.
     `merge` (train.lora.merge_sources): base weight name -> how its LoRA adapters merge into it;
     the owner gathers that layer's adapters too and publishes the merged weight."""
+    from train.expert_layout import checkpoint_tensors
+
     named = published_names(policy)
+    model_type = getattr(policy.lm.config, "model_type", "")
     params = dict(policy.lm.named_parameters())
     merge = merge or {}
     sizes = [t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for _, t in named]
@@ -313,14 +316,18 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
                 full = source.merged(full, a, b)
             del a, b
         if o == rank:
-            mine[file_key(name)] = full.detach().to(device="cpu", dtype=dtype if full.is_floating_point()
-                                                    else full.dtype).contiguous()
+            # Stacked experts are published one tensor per expert, the layout vLLM reads.
+            for key, value in checkpoint_tensors(model_type, file_key(name), full.detach()):
+                mine[key] = value.to(device="cpu", dtype=dtype if value.is_floating_point()
+                                     else value.dtype).contiguous()
         del full
     files = [file_of[r] for r in writers]
     index = None
     if len(writers) > 1:
         index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {file_key(name): file_of[o] for (name, _), o in zip(named, owner)}}
+                 "weight_map": {key: file_of[o] for (name, t), o in zip(named, owner)
+                                for key, _ in checkpoint_tensors(model_type, file_key(name),
+                                                                 torch.empty(t.shape, device="meta"))}}
         files.append(INDEX)
     return Share(mine, file_of.get(rank), files, index)
 
