@@ -5,6 +5,7 @@ Qwen3-MoE (4 experts, top-2) twice, as ep=1 (FSDP2 shards every weight) and as e
 holds 2 whole experts per layer; tokens reach them by all_to_all_single). For each, every rank
 writes the per-token logprobs of its half of a batch before training and the bytes of expert
 weights it holds; then two AdamW steps; rank 0 writes the losses, gradient norms and full weights.
+Last, each rank loads ep=2 from a copy of the model whose experts 2 and 3 are NaN.
 
 Tolerances: the logprobs are compared with one process running transformers' own forward on
 the whole batch: the same float32 arithmetic with the expert outputs summed in another order,
@@ -31,7 +32,7 @@ LOSS_TOL = 1e-6
 WEIGHT_TOL = 1e-6
 
 
-def worker(model: Path, out: Path) -> None:
+def worker(model: Path, out: Path, poisoned: Path) -> None:
     from safetensors.torch import save_file
 
     from coordination.config import from_dict
@@ -64,10 +65,36 @@ def worker(model: Path, out: Path) -> None:
             if info.is_main:
                 save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
             results[name] = {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps]}
+        # Sharded load from a copy whose experts 2 and 3 are NaN: each rank reads only its own experts.
+        cfg = from_dict(TrainConfig, {"ep": 2})
+        loaded = load_model(cfg, poisoned, None)
+        t = make_trainable(loaded, cfg, info)
+        experts = t.policy.lm.model.layers[0].mlp.experts
+        local = experts.gate_up_proj.to_local()
+        results[f"poisoned-{info.rank}"] = {"sharded": loaded.sharded, "finite": bool(local.isfinite().all()),
+                                            "local_experts": local.shape[0]}
+        torch.save(local, out / f"poisoned-gate-up-{info.rank}.pt")
+        all_results = [None] * info.world_size
+        torch.distributed.all_gather_object(all_results, results)
         if info.is_main:
-            (out / "results.json").write_text(json.dumps(results))
+            (out / "results.json").write_text(json.dumps({k: v for r in all_results for k, v in r.items()}))
     finally:
         shutdown()
+
+
+def _poison_experts(model: Path, out: Path, experts: tuple[int, ...]) -> Path:
+    """A copy of `model` whose per-expert tensors of `experts` are NaN in the weight file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = load_file(str(out / "model.safetensors"))
+    for key in weights:
+        if any(f".experts.{e}." in key for e in experts):
+            weights[key] = torch.full_like(weights[key], float("nan"))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +103,9 @@ def launched(tmp_path_factory):
     model = ts.make_tiny(root / "tiny-moe", layers=2, experts=4, top_k=2)
     out = root / "out"
     out.mkdir()
-    codes = ts.torchrun("tests.test_train_expert_parallel", [str(model), str(out)], root / "logs", nnodes=1,
-                        nproc_per_node=2)
+    poisoned = _poison_experts(model, root / "poisoned", (2, 3))
+    codes = ts.torchrun("tests.test_train_expert_parallel", [str(model), str(out), str(poisoned)], root / "logs",
+                        nnodes=1, nproc_per_node=2)
     assert codes == [0], ts.logs_text(root / "logs")
     return model, out, json.loads((out / "results.json").read_text())
 
@@ -140,4 +168,16 @@ def test_ep2_holds_half_of_the_expert_bytes_on_each_rank(launched):
 if __name__ == "__main__":
     from train.launch import run_worker
 
-    run_worker(worker, Path(sys.argv[1]), Path(sys.argv[2]))
+    run_worker(worker, Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
+
+
+def test_sharded_load_fills_each_ranks_experts_from_their_own_tensors_only(launched):
+    """Experts 2 and 3 are NaN in the file: rank 0 (experts 0 and 1) reads none of them and holds
+    exactly the model's values; rank 1 holds the NaNs, so its experts did come from the file."""
+    from transformers import AutoModelForCausalLM
+
+    model, out, results = launched
+    assert results["poisoned-0"] == {"sharded": True, "finite": True, "local_experts": 2}
+    assert results["poisoned-1"] == {"sharded": True, "finite": False, "local_experts": 2}
+    whole = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    assert torch.equal(torch.load(out / "poisoned-gate-up-0.pt"), whole.model.layers[0].mlp.experts.gate_up_proj[:2])

@@ -17,7 +17,7 @@ A layer's forward on each rank, for its own tokens' top-k choices:
 
 Gradients: a rank's expert gradient sums what the tokens of its whole EP group sent it. FSDP2
 averages the other gradients over all W ranks of losses scaled by W / tokens (train/step.py),
-so a hook on each expert tensor sums its gradient over the ep_replicate groups (ranks holding
+so each layer's backward sums its expert gradients over the ep_replicate groups (ranks holding
 the same experts) and divides by W: the same average, hence the same update as ep=1.
 """
 from __future__ import annotations
@@ -62,32 +62,39 @@ def shard_experts(lm: nn.Module, info: DistInfo, ep: int) -> set[nn.Parameter]:
     mesh = expert_mesh(info, ep)
     index = mesh.get_local_rank("ep")
     sharded: set[nn.Parameter] = set()
+    replicas = mesh.get_group("ep_replicate") if mesh.size(0) > 1 else None
     for module in modules:
         per_rank = module.num_experts // ep
         for name in EXPERT_TENSORS:
             full = getattr(module, name)
-            local = full.detach()[index * per_rank:(index + 1) * per_rank].to(info.device).clone()
+            # A meta skeleton (sharded load) stays on meta: train/sharded.py fills this rank's experts.
+            local = full.detach()[index * per_rank:(index + 1) * per_rank]
+            local = local.clone() if full.is_meta else local.to(info.device).clone()
             param = nn.Parameter(DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
                                                     shape=full.shape, stride=full.stride()))
-            param.register_hook(_average_over_replicas(mesh, info.world_size))
             setattr(module, name, param)
             sharded.add(param)
-        module.forward = _ExpertParallelForward(module, mesh.get_group("ep"), ep, per_rank)
+        module.forward = _ExpertParallelForward(module, mesh.get_group("ep"), ep, per_rank, replicas,
+                                                info.world_size)
     return sharded
 
 
-def _average_over_replicas(mesh, world_size: int):
-    from torch.distributed.tensor import DTensor
+class _AverageGradient(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the world size and sums it over the
+    ranks holding the same experts (None: no other replica). Part of the forward rather than a
+    hook on the parameter, which to_empty (sharded load) would drop by replacing the parameter."""
 
-    replicas = mesh.get_group("ep_replicate") if mesh.size(0) > 1 else None
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, replicas, world_size: int) -> torch.Tensor:
+        ctx.replicas, ctx.world_size = replicas, world_size
+        return weight.view_as(weight)
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        local = grad.to_local() / world_size
-        if replicas is not None:
-            dist.all_reduce(local, group=replicas)
-        return DTensor.from_local(local, mesh, grad.placements, run_check=False, shape=grad.shape,
-                                  stride=grad.stride())
-    return hook
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad / ctx.world_size
+        if ctx.replicas is not None:
+            dist.all_reduce(grad, group=ctx.replicas)
+        return grad, None, None
 
 
 def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -102,8 +109,12 @@ class _ExpertParallelForward:
     """forward(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H] of one experts
     module, with its experts spread over the EP group (the signature of transformers' own)."""
 
-    def __init__(self, module: nn.Module, group, ep: int, per_rank: int):
+    def __init__(self, module: nn.Module, group, ep: int, per_rank: int, replicas, world_size: int):
         self.module, self.group, self.ep, self.per_rank = module, group, ep, per_rank
+        self.replicas, self.world_size = replicas, world_size
+
+    def local(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return _AverageGradient.apply(param.to_local(), self.replicas, self.world_size).to(dtype)
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         m, ep, per_rank = self.module, self.ep, self.per_rank
@@ -122,8 +133,7 @@ class _ExpertParallelForward:
         local_expert = torch.arange(per_rank, device=rows.device).repeat(ep).repeat_interleave(received.to(rows.device))
         by_expert = torch.argsort(local_expert, stable=True)
         counts = received.view(ep, per_rank).sum(0).tolist()
-        gate_up = m.gate_up_proj.to_local().to(hidden.dtype)
-        down = m.down_proj.to_local().to(hidden.dtype)
+        gate_up, down = self.local(m.gate_up_proj, hidden.dtype), self.local(m.down_proj, hidden.dtype)
         outputs = []
         for e, x in enumerate(torch.split(rows[by_expert], counts)):
             gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)

@@ -80,24 +80,41 @@ def open_weights(path: Path, owner: Stamp | None) -> int:
     return fd
 
 
-def stored_names(folder: Path) -> set[str]:
-    """Tensor names in `folder`'s safetensors files (headers only)."""
-    names: set[str] = set()
+def stored_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of `folder` that holds it (headers only)."""
+    files: dict[str, Path] = {}
     owner = stamp_of(folder)
     for path in weight_files(folder):
         fd = open_weights(path, owner)
         try:
-            names.update(k for k in safetensors_header(fd, path)[0] if k != "__metadata__")
+            files.update((k, path) for k in safetensors_header(fd, path)[0] if k != "__metadata__")
         finally:
             os.close(fd)
-    return names
+    return files
+
+
+def stored_names(folder: Path) -> set[str]:
+    """Tensor names in `folder`'s safetensors files (headers only)."""
+    return set(stored_files(folder))
+
+
+def per_expert_params(lm: nn.Module, stored: set[str], besides: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Stacked expert parameters of `lm` whose checkpoint stores one tensor per expert: the
+    parameter name -> its weight-file key (train/expert_load.py reads them)."""
+    from train.expert_load import per_expert_stored
+
+    model_type = getattr(lm.config, "model_type", "")
+    return {n: file_key(n) for n, p in lm.named_parameters()
+            if n not in besides and per_expert_stored(model_type, file_key(n), p.shape, stored)}
 
 
 def missing_names(lm: nn.Module, folder: Path, besides: frozenset[str] = frozenset()) -> list[str]:
     """Parameters of `lm` (other than those named in `besides`) that `folder`'s files do not hold
-    under the module's own names (a model whose checkpoints use other names is loaded by
-    transformers, which converts them)."""
-    return sorted({file_key(n) for n, _ in lm.named_parameters() if n not in besides} - stored_names(folder))
+    under the module's own names, nor (stacked experts) one tensor per expert (a model whose
+    checkpoints use other names is loaded by transformers, which converts them)."""
+    stored = stored_names(folder)
+    experts = per_expert_params(lm, stored, besides)
+    return sorted({file_key(n) for n, _ in lm.named_parameters() if n not in besides and n not in experts} - stored)
 
 
 def build_on_meta(folder: Path, attn: str) -> nn.Module:
@@ -207,7 +224,9 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
         raise ValueError(f"no parameters {sorted(set(extra) - set(named))[:3]} in the model to fill")
     for name, value in extra.items():
         place_full(named[name], value)
-    targets = {file_key(n): p for n, p in named.items() if n not in extra}
+    files = stored_files(folder)
+    experts = per_expert_params(policy.lm, set(files), frozenset(extra))
+    targets = {file_key(n): p for n, p in named.items() if n not in extra and n not in experts}
     missing = missing_names(policy.lm, folder, frozenset(extra))
     if missing:
         raise CheckpointError(f"{folder} has no weights for {missing[:3]} ({len(missing)} missing); it is not a "
@@ -221,7 +240,12 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
     except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
-    return len(targets)
+    if experts:
+        from train.expert_load import fill_experts
+
+        fill_experts(getattr(policy.lm.config, "model_type", ""), {k: named[n] for n, k in experts.items()}, files,
+                     open_weights, stamp_of(folder))
+    return len(targets) + len(experts)
 
 
 def place_full(param: torch.Tensor, value: torch.Tensor) -> None:
