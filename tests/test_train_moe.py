@@ -55,8 +55,8 @@ def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_publishe
     """One iteration of 4 steps on 2 torchrun processes, every rank holding every expert (ep=1,
     FSDP2 shards them like any weight) and each rank holding 2 of the 4 (ep=2): both publish the
     per-expert layout transformers (and vLLM) read, with every tensor moved, the same weights
-    within 1e-6 (measured 2.3e-7: the expert gradients are summed in another order) and
-    optimizer state that the next iteration continues from."""
+    within 1e-6 (measured 2.3e-7: the expert gradients are summed in another order) and the same
+    optimizer state."""
     from transformers import AutoModelForCausalLM
 
     folders = {ep: _train(moe, tmp_path / f"ep{ep}", ep) for ep in (1, 2)}
@@ -71,3 +71,28 @@ def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_publishe
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in files
     worst = max((after[1][k] - after[2][k]).abs().max().item() for k in before)
     assert worst <= 1e-6, worst
+    # Adam's moments, as the two ranks' DCP shards hold them (dim-0 pieces in rank order), agree too:
+    # they are the same gradients summed in another order, held to the weights' tolerance.
+    moments = {ep: {k: torch.cat(v) for k, v in ts.optimizer_tensors(f).items() if not k.endswith("::step")}
+               for ep, f in folders.items()}
+    assert moments[1].keys() == moments[2].keys() and any(".experts.gate_up_proj::" in k for k in moments[1])
+    assert max((moments[1][k] - moments[2][k]).abs().max().item() for k in moments[1]) <= 1e-6
+
+
+def test_the_ep2_optimizer_state_continues_in_one_process_at_ep1(moe, tmp_path):
+    """DCP reshards the experts' Adam moments saved by two EP ranks into one process's tensors: the
+    next iteration trains from them and counts on from optimizer step 4."""
+    layout = RunLayout(tmp_path / "run")
+    ts.write_trajectories(layout, 1, moe)
+    plan = ts.prepare(layout, 1, moe, 0, world_size=2, ep=2)
+    assert ts.torchrun("train.trainer", ["--plan", str(plan)], tmp_path / "logs") == [0, 0], \
+        ts.logs_text(tmp_path / "logs")
+    ts.publish(plan)
+    ts.write_trajectories(layout, 2, layout.checkpoint(1), seed=1, policy_iteration=1)
+    plan2 = ts.prepare(layout, 2, layout.checkpoint(1), 1, world_size=1)
+    assert ts.run_module("train.trainer", ["--plan", str(plan2)], tmp_path / "iter2.log") == 0, \
+        (tmp_path / "iter2.log").read_text()
+    ts.publish(plan2)
+    assert ts.optimizer_steps(layout.checkpoint(2)) == {8.0}
+    assert "optimizer step 4): the trained parameters continue from their float32 state" in \
+        (tmp_path / "iter2.log").read_text()
