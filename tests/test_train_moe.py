@@ -71,6 +71,13 @@ def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_publishe
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in files
     worst = max((after[1][k] - after[2][k]).abs().max().item() for k in before)
     assert worst <= 1e-6, worst
+    # At ep=2 each rank wrote the experts it holds (0-1 and 2-3 of every layer), nothing gathered.
+    from safetensors import safe_open
+
+    for r, own in enumerate(((0, 1), (2, 3))):
+        with safe_open(str(folders[2] / f"model-{r + 1:05d}-of-00002.safetensors"), framework="pt") as f:
+            held = {int(k.split(".experts.")[1].split(".")[0]) for k in f.keys() if ".experts." in k}
+        assert held == set(own), (r, held)
     # Adam's moments, as the two ranks' DCP shards hold them (dim-0 pieces in rank order), agree too:
     # they are the same gradients summed in another order, held to the weights' tolerance.
     moments = {ep: {k: torch.cat(v) for k, v in ts.optimizer_tensors(f).items() if not k.endswith("::step")}

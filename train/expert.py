@@ -144,6 +144,23 @@ class _ExpertParallelForward:
         return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
 
 
+def expert_writers(param: torch.Tensor) -> list[int] | None:
+    """For a stacked expert tensor sharded by expert parallelism: the global rank that publishes
+    each of its experts (the rank holding it in the first EP group); None for any other tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names != ("ep_replicate", "ep"):
+        return None
+    ranks = param.device_mesh.mesh[0].tolist()
+    per_rank = param.shape[0] // len(ranks)
+    return [ranks[e // per_rank] for e in range(param.shape[0])]
+
+
+def publishes_own_experts(param: torch.Tensor) -> bool:
+    """Whether this rank writes the experts it holds of `param` (it is in the first EP group)."""
+    return param.device_mesh.get_local_rank("ep_replicate") == 0
+
+
 def expert_bytes(lm: nn.Module) -> int:
     """Bytes of expert weights this rank holds (its local shards under expert parallelism)."""
     from torch.distributed.tensor import DTensor

@@ -320,15 +320,18 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
     rank holds its share of the published model (about 1/world of it) plus one tensor in flight.
     `merge` (train.lora.merge_sources): base weight name -> how its LoRA adapters merge into it;
     the owner gathers that layer's adapters too and publishes the merged weight."""
+    from train.expert import expert_writers
     from train.expert_layout import checkpoint_tensors
 
-    named = published_names(policy)
     model_type = getattr(policy.lm.config, "model_type", "")
     params = dict(policy.lm.named_parameters())
     merge = merge or {}
+    # Experts sharded by expert parallelism are written by the ranks that hold them, ungathered.
+    experts = {n: w for n, t in published_names(policy) if (w := expert_writers(t)) is not None}
+    named = [(n, t) for n, t in published_names(policy) if n not in experts]
     sizes = [t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for _, t in named]
     owner = owners(sizes, world_size)
-    writers = sorted(set(owner))
+    writers = sorted(set(owner) | {r for ranks in experts.values() for r in ranks})
     file_of = {r: shard_name(i, len(writers)) for i, r in enumerate(writers)}
     mine: dict[str, torch.Tensor] = {}
     for (name, t), o in zip(named, owner):
@@ -345,15 +348,36 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
                 mine[key] = value.to(device="cpu", dtype=dtype if value.is_floating_point()
                                      else value.dtype).contiguous()
         del full
+    mine.update(_own_experts(policy, experts, model_type, dtype))
     files = [file_of[r] for r in writers]
     index = None
     if len(writers) > 1:
-        index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {key: file_of[o] for (name, t), o in zip(named, owner)
-                                for key, _ in checkpoint_tensors(model_type, file_key(name),
-                                                                 torch.empty(t.shape, device="meta"))}}
+        weight_map = {key: file_of[o] for (name, t), o in zip(named, owner)
+                      for key, _ in checkpoint_tensors(model_type, file_key(name), torch.empty(t.shape, device="meta"))}
+        for name, ranks in experts.items():
+            one = torch.empty((1, *params[name].shape[1:]), device="meta")
+            weight_map.update((key, file_of[r]) for e, r in enumerate(ranks)
+                              for key, _ in checkpoint_tensors(model_type, file_key(name), one, e))
+        expert_size = sum(params[n].numel() * dtype.itemsize for n in experts)
+        index = {"metadata": {"total_size": sum(sizes) + expert_size}, "weight_map": weight_map}
         files.append(INDEX)
     return Share(mine, file_of.get(rank), files, index)
+
+
+def _own_experts(policy, experts: dict[str, list[int]], model_type: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The per-expert tensors this rank publishes of the stacked expert tensors named in `experts`."""
+    from train.expert import publishes_own_experts
+    from train.expert_layout import checkpoint_tensors
+    from train.expert_load import local_rows
+
+    params = dict(policy.lm.named_parameters())
+    out = {}
+    for name in experts:
+        if publishes_own_experts(params[name]):
+            first, local = local_rows(params[name])
+            out.update((key, value.to(device="cpu", dtype=dtype).contiguous())
+                       for key, value in checkpoint_tensors(model_type, file_key(name), local, first))
+    return out
 
 
 def gather_adapters(policy, rank: int) -> dict[str, torch.Tensor]:
