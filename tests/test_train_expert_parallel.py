@@ -65,6 +65,8 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
             if info.is_main:
                 save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
             results[name] = {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps]}
+            if name == "ep2":
+                results[f"offload-{info.rank}"] = _offload_round_trip(t, info.device)
         # Sharded load from a copy whose experts 2 and 3 are NaN: each rank reads only its own experts.
         cfg = from_dict(TrainConfig, {"ep": 2})
         loaded = load_model(cfg, poisoned, None)
@@ -80,6 +82,23 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
             (out / "results.json").write_text(json.dumps({k: v for r in all_results for k, v in r.items()}))
     finally:
         shutdown()
+
+
+def _offload_round_trip(t, device) -> dict:
+    """The resident trainer's offload (train/offload.py) on an EP model: the experts' local shards and
+    their Adam moments leave their storages and come back bit for bit."""
+    from train.offload import ResidentOffload
+
+    experts = t.policy.lm.model.layers[0].mlp.experts.gate_up_proj
+    moments = t.optimizer.state[experts]
+    before = [experts.to_local().clone(), moments["exp_avg"].to_local().clone()]
+    off = ResidentOffload([t.policy], t.optimizer, device)
+    off.to_host()
+    emptied = experts.to_local().untyped_storage().nbytes() == 0 and \
+        moments["exp_avg"].to_local().untyped_storage().nbytes() == 0
+    off.to_device()
+    after = [experts.to_local(), moments["exp_avg"].to_local()]
+    return {"emptied": emptied, "restored": all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
 def _poison_experts(model: Path, out: Path, experts: tuple[int, ...]) -> Path:
@@ -181,3 +200,9 @@ def test_sharded_load_fills_each_ranks_experts_from_their_own_tensors_only(launc
     assert results["poisoned-1"] == {"sharded": True, "finite": False, "local_experts": 2}
     whole = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     assert torch.equal(torch.load(out / "poisoned-gate-up-0.pt"), whole.model.layers[0].mlp.experts.gate_up_proj[:2])
+
+
+def test_the_resident_offload_moves_the_expert_shards_and_their_moments_and_restores_them(launched):
+    _, _, results = launched
+    for rank in range(2):
+        assert results[f"offload-{rank}"] == {"emptied": True, "restored": True}
