@@ -100,8 +100,8 @@ def stored_names(folder: Path) -> set[str]:
 
 def per_expert_params(lm: nn.Module, stored: set[str], besides: frozenset[str] = frozenset()) -> dict[str, str]:
     """Stacked expert parameters of `lm` whose checkpoint stores one tensor per expert: the
-    parameter name -> its weight-file key (train/expert_load.py reads them)."""
-    from train.expert_load import per_expert_stored
+    parameter name -> its weight-file key (train/expert_io.py reads them)."""
+    from train.expert_io import per_expert_stored
 
     model_type = getattr(lm.config, "model_type", "")
     return {n: file_key(n) for n, p in lm.named_parameters()
@@ -241,7 +241,7 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
     if experts:
-        from train.expert_load import fill_experts
+        from train.expert_io import fill_experts
 
         fill_experts(getattr(policy.lm.config, "model_type", ""), {k: named[n] for n, k in experts.items()}, files,
                      open_weights, stamp_of(folder))
@@ -321,6 +321,7 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
     `merge` (train.lora.merge_sources): base weight name -> how its LoRA adapters merge into it;
     the owner gathers that layer's adapters too and publishes the merged weight."""
     from train.expert import expert_writers
+    from train.expert_io import own_experts
     from train.expert_layout import checkpoint_tensors
 
     model_type = getattr(policy.lm.config, "model_type", "")
@@ -348,7 +349,7 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
                 mine[key] = value.to(device="cpu", dtype=dtype if value.is_floating_point()
                                      else value.dtype).contiguous()
         del full
-    mine.update(_own_experts(policy, experts, model_type, dtype))
+    mine.update(own_experts(model_type, {file_key(n): params[n] for n in experts}, dtype))
     files = [file_of[r] for r in writers]
     index = None
     if len(writers) > 1:
@@ -362,22 +363,6 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
         index = {"metadata": {"total_size": sum(sizes) + expert_size}, "weight_map": weight_map}
         files.append(INDEX)
     return Share(mine, file_of.get(rank), files, index)
-
-
-def _own_experts(policy, experts: dict[str, list[int]], model_type: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The per-expert tensors this rank publishes of the stacked expert tensors named in `experts`."""
-    from train.expert import publishes_own_experts
-    from train.expert_layout import checkpoint_tensors
-    from train.expert_load import local_rows
-
-    params = dict(policy.lm.named_parameters())
-    out = {}
-    for name in experts:
-        if publishes_own_experts(params[name]):
-            first, local = local_rows(params[name])
-            out.update((key, value.to(device="cpu", dtype=dtype).contiguous())
-                       for key, value in checkpoint_tensors(model_type, file_key(name), local, first))
-    return out
 
 
 def gather_adapters(policy, rank: int) -> dict[str, torch.Tensor]:

@@ -1,10 +1,12 @@
-"""Sharded load of stacked experts from a checkpoint that stores one tensor per expert.
+"""Reading and writing a rank's experts: the sharded load and the publication of stacked experts
+in a checkpoint that stores one tensor per expert.
 
 A Hugging Face MoE checkpoint holds `<layer>.experts.<e>.gate_proj.weight` and friends
 (train/expert_layout.py); the model holds one stacked tensor per layer and kind. Each rank reads
 only the experts its shard of a stacked tensor covers: under expert parallelism its E/ep whole
 experts, under plain FSDP2 its rows of dim 0, under DDP all of them. Nothing else is read, so no
-rank holds every expert of a layer unless its shard does.
+rank holds every expert of a layer unless its shard does. Publication under expert parallelism
+is the reverse: each rank of the first EP group writes the experts it holds, ungathered.
 """
 from __future__ import annotations
 
@@ -72,6 +74,20 @@ def fill_experts(model_type: str, params: dict[str, torch.Tensor], files: dict[s
                                            first + i)
                 local[i].copy_(torch.cat([values[k] for k, _ in parts], dim=0))
     return len(values)
+
+
+def own_experts(model_type: str, params: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The per-expert tensors (on the CPU, in `dtype`) this rank publishes of the EP-sharded
+    stacked expert parameters `params` (checkpoint-side name -> parameter)."""
+    from train.expert import publishes_own_experts
+
+    out = {}
+    for name, param in params.items():
+        if publishes_own_experts(param):
+            first, local = local_rows(param)
+            out.update((key, value.to(device="cpu", dtype=dtype).contiguous())
+                       for key, value in checkpoint_tensors(model_type, name, local, first))
+    return out
 
 
 def _read(fd: int, header: dict, start: int, name: str, path: Path) -> torch.Tensor:
