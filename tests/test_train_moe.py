@@ -55,6 +55,14 @@ def _train(moe: Path, root: Path, ep: int, world: int = 2) -> Path:
     return layout.checkpoint(1)
 
 
+def _experts_in(folder: Path, rank: int, world: int) -> set[int]:
+    """Which experts the weight file rank `rank` wrote holds (of any layer)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / f"model-{rank + 1:05d}-of-{world:05d}.safetensors"), framework="pt") as f:
+        return {int(k.split(".experts.")[1].split(".")[0]) for k in f.keys() if ".experts." in k}
+
+
 def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_published_weights(moe, tmp_path):
     """One iteration of 4 steps on 2 torchrun processes, every rank holding every expert (ep=1,
     FSDP2 shards them like any weight) and each rank holding 2 of the 4 (ep=2): both publish the
@@ -76,12 +84,7 @@ def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_publishe
     worst = max((after[1][k] - after[2][k]).abs().max().item() for k in before)
     assert worst <= 1e-6, worst
     # At ep=2 each rank wrote the experts it holds (0-1 and 2-3 of every layer), nothing gathered.
-    from safetensors import safe_open
-
-    for r, own in enumerate(((0, 1), (2, 3))):
-        with safe_open(str(folders[2] / f"model-{r + 1:05d}-of-00002.safetensors"), framework="pt") as f:
-            held = {int(k.split(".experts.")[1].split(".")[0]) for k in f.keys() if ".experts." in k}
-        assert held == set(own), (r, held)
+    assert [_experts_in(folders[2], r, 2) for r in range(2)] == [{0, 1}, {2, 3}]
     # Adam's moments, as the two ranks' DCP shards hold them (dim-0 pieces in rank order), agree too:
     # they are the same gradients summed in another order, held to the weights' tolerance.
     moments = {ep: {k: torch.cat(v) for k, v in ts.optimizer_tensors(f).items() if not k.endswith("::step")}
@@ -93,12 +96,8 @@ def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_publishe
 def test_the_ep2_optimizer_state_continues_in_one_process_at_ep1(moe, tmp_path):
     """DCP reshards the experts' Adam moments saved by two EP ranks into one process's tensors: the
     next iteration trains from them and counts on from optimizer step 4."""
+    _train(moe, tmp_path / "run", 2)
     layout = RunLayout(tmp_path / "run")
-    ts.write_trajectories(layout, 1, moe)
-    plan = ts.prepare(layout, 1, moe, 0, world_size=2, ep=2)
-    assert ts.torchrun("train.trainer", ["--plan", str(plan)], tmp_path / "logs") == [0, 0], \
-        ts.logs_text(tmp_path / "logs")
-    ts.publish(plan)
     ts.write_trajectories(layout, 2, layout.checkpoint(1), seed=1, policy_iteration=1)
     plan2 = ts.prepare(layout, 2, layout.checkpoint(1), 1, world_size=1)
     assert ts.run_module("train.trainer", ["--plan", str(plan2)], tmp_path / "iter2.log") == 0, \
@@ -116,8 +115,6 @@ def test_four_processes_in_two_ep_groups_train_like_ep1_and_the_first_group_publ
     of 9); weights within 5e-5, a quarter of one step's update at lr 2e-4: plain FSDP2 on 2 and on
     4 processes already differs by 1.1e-5 after these 4 steps (the same sums in another order,
     which Adam turns into weight differences where a gradient is near zero)."""
-    from safetensors import safe_open
-
     from train.results import KIND
 
     folders = {ep: _train(moe, tmp_path / f"ep{ep}", ep, world=4) for ep in (1, 2)}
@@ -129,7 +126,4 @@ def test_four_processes_in_two_ep_groups_train_like_ep1_and_the_first_group_publ
     w1, w2 = ts.load_weights(folders[1]), ts.load_weights(folders[2])
     assert w1.keys() == w2.keys()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 5e-5
-    for r, own in enumerate(((0, 1), (2, 3), (), ())):
-        with safe_open(str(folders[2] / f"model-{r + 1:05d}-of-00004.safetensors"), framework="pt") as f:
-            held = {int(k.split(".experts.")[1].split(".")[0]) for k in f.keys() if ".experts." in k}
-        assert held == set(own), (r, held)
+    assert [_experts_in(folders[2], r, 4) for r in range(4)] == [{0, 1}, {2, 3}, set(), set()]
