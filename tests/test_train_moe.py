@@ -83,6 +83,7 @@ def test_two_trainer_processes_train_the_moe_at_ep1_and_ep2_to_the_same_publishe
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in files
     worst = max((after[1][k] - after[2][k]).abs().max().item() for k in before)
     assert worst <= 1e-6, worst
+    assert "expert parallelism: 1 group(s) of ep=2 ranks" in ts.logs_text(tmp_path / "ep2" / "logs")
     # At ep=2 each rank wrote the experts it holds (0-1 and 2-3 of every layer), nothing gathered.
     assert [_experts_in(folders[2], r, 2) for r in range(2)] == [{0, 1}, {2, 3}]
     # Adam's moments, as the two ranks' DCP shards hold them (dim-0 pieces in rank order), agree too:

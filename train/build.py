@@ -204,6 +204,8 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
             levers.append("torch.compile per block")
         if cfg.backend == "fsdp" and cfg.dp_replicate > 1:
             levers.append(f"HSDP {cfg.dp_replicate}x{info.world_size // cfg.dp_replicate}")
+        if cfg.ep > 1:
+            levers.append(f"expert parallelism: {info.world_size // cfg.ep} group(s) of ep={cfg.ep} ranks")
         if cfg.fsdp_cpu_offload or cfg.optim_cpu_offload:
             levers.append("FSDP CPU offload" if cfg.fsdp_cpu_offload else "optimizer state on CPU")
         _log.info("model: %s", "; ".join(levers))
