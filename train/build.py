@@ -149,7 +149,7 @@ def make_policy(lm: nn.Module, cfg: TrainConfig, info: DistInfo, *, trainable: b
 def parallelize(policy, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
     return apply_parallelism(policy, cfg.backend, info, dtype, reshard_after_forward=cfg.reshard_after_forward,
                              dp_replicate=cfg.dp_replicate if cfg.backend == "fsdp" else 1,
-                             cpu_offload=cfg.fsdp_cpu_offload)
+                             cpu_offload=cfg.fsdp_cpu_offload, ep=cfg.ep)
 
 
 def parallelize_loaded(policy, loaded: Loaded, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:
@@ -190,6 +190,8 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
             levers.append("torch.compile per block")
         if cfg.backend == "fsdp" and cfg.dp_replicate > 1:
             levers.append(f"HSDP {cfg.dp_replicate}x{info.world_size // cfg.dp_replicate}")
+        if cfg.ep > 1:
+            levers.append(f"expert parallelism: {info.world_size // cfg.ep} group(s) of ep={cfg.ep} ranks")
         if cfg.fsdp_cpu_offload or cfg.optim_cpu_offload:
             levers.append("FSDP CPU offload" if cfg.fsdp_cpu_offload else "optimizer state on CPU")
         _log.info("model: %s", "; ".join(levers))

@@ -13,7 +13,9 @@ node without GPUs must still be able to read a config meant for GPU nodes.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from coordination.config import ConfigError, non_negative, option, positive, section
@@ -24,6 +26,9 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 AC_NAMED_TARGETS = ("attention", "matmul")
+# Where the MoE families of transformers write their experts per layer in config.json
+# (Qwen2/3-MoE, OLMoE: num_experts; Mixtral: num_local_experts).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
 def check_world_size(dp_replicate: int, world_size: int) -> None:
@@ -33,6 +38,67 @@ def check_world_size(dp_replicate: int, world_size: int) -> None:
         raise ConfigError(f"train.dp_replicate={dp_replicate} does not divide the number of trainer processes "
                           f"({world_size} = nodes x train.nproc_per_node); HSDP arranges them as dp_replicate x "
                           f"dp_shard, so set train.dp_replicate to one of {divisors} (1 = plain FSDP)")
+
+
+def check_ep_world(ep: int, world_size: int) -> None:
+    """train.ep ranks form one EP group: ep must divide the number of trainer processes."""
+    if world_size % ep:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"train.ep={ep} does not divide the number of trainer processes ({world_size} = nodes x "
+                          f"train.nproc_per_node); set train.ep to one of {divisors}")
+
+
+def check_ep_experts(ep: int, num_experts: int | None, world_size: int) -> None:
+    """Every rank of an EP group holds num_experts / ep experts of each MoE layer (`num_experts`
+    None: a dense model, which has no experts to split)."""
+    if ep == 1:
+        return
+    if num_experts is None:
+        raise ConfigError(f"train.ep={ep} shards the experts of a mixture-of-experts model, but this model is dense "
+                          f"(its config names no experts); set train.ep=1")
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and world_size % d == 0]
+        raise ConfigError(f"train.ep={ep} does not divide the model's {num_experts} experts per layer; every rank "
+                          f"of an EP group holds num_experts / ep of them, so set train.ep to one of {divisors}")
+
+
+def model_experts(config: dict) -> int | None:
+    """Experts per MoE layer named by a model config (config.json's dict), None for a dense model."""
+    for key in EXPERT_COUNT_KEYS:
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def check_ep_launch(cfg: "TrainConfig", num_nodes: int, model_path: str | Path = "") -> None:
+    """train.ep against the job's trainer processes and, when this node can read it, the model's
+    experts: what the trainer would refuse at phase 10, found at start (rl/validate's rule
+    expert-parallel-degree; the trainer checks again once it has loaded the model)."""
+    if cfg.ep == 1:
+        return
+    world = num_nodes * cfg.nproc_per_node
+    check_ep_world(cfg.ep, world)
+    config = Path(model_path) / "config.json" if str(model_path) else None
+    if config is not None and config.is_file():
+        check_ep_experts(cfg.ep, model_experts(json.loads(config.read_text())), world)
+
+
+def check_ep_levers(cfg: "TrainConfig") -> None:
+    """The levers expert parallelism combines with in this build: FSDP2 over a 1-D mesh, no LoRA,
+    no FSDP2 CPU offload (the experts are sharded outside FSDP2, train/expert.py)."""
+    if cfg.ep < 1:
+        raise ConfigError(f"train.ep must be at least 1 (got {cfg.ep}); 1 = no expert parallelism")
+    if cfg.ep == 1:
+        return
+    clashes = [f"{name}={value}" for name, value, ok in (
+        ("train.backend", cfg.backend, cfg.backend == "fsdp"), ("train.dp_replicate", cfg.dp_replicate,
+                                                                 cfg.dp_replicate == 1),
+        ("train.fsdp_cpu_offload", cfg.fsdp_cpu_offload, not cfg.fsdp_cpu_offload),
+        ("train.lora.rank", cfg.lora.rank, not cfg.lora.rank)) if not ok]
+    if clashes:
+        raise ConfigError(f"train.ep={cfg.ep} needs train.backend=fsdp, train.dp_replicate=1, "
+                          f"train.fsdp_cpu_offload=false and no LoRA, but the config has {', '.join(clashes)}; "
+                          f"change those or set train.ep=1")
 
 
 @dataclass
@@ -187,6 +253,10 @@ class TrainConfig:
     compile: CompileConfig | None = option(
         None, "torch.compile each decoder block: {} (or {fullgraph: true}) to enable, null = eager. "
               "On the command line: train.compile={}")
+    ep: int = option(
+        1, "expert-parallel degree for mixture-of-experts models (Qwen3-MoE): each MoE layer's experts are split "
+           "over groups of ep ranks and tokens travel to their experts' rank by all-to-all; must divide the number "
+           "of trainer processes and the experts per layer. Needs backend=fsdp and dp_replicate=1 (1 = off)")
     attn: Literal["sdpa", "flash_attention_2", "eager"] = option(
         "sdpa", "attention implementation of transformers: sdpa (PyTorch), flash_attention_2 (needs the flash-attn "
                 "package and CUDA), eager (reference)")
@@ -239,6 +309,7 @@ class TrainConfig:
         if self.backend == "ddp" and (self.dp_replicate != 1 or self.fsdp_cpu_offload):
             raise ConfigError("train.dp_replicate and train.fsdp_cpu_offload are FSDP2 options but train.backend=ddp; "
                               "set train.backend=fsdp or drop them")
+        check_ep_levers(self)
         chunk = self.fused_lm_head_token_chunk_size
         if isinstance(chunk, int) and chunk < 1:
             raise ConfigError(f"train.fused_lm_head_token_chunk_size must be auto, disabled or a positive number of "

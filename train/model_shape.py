@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from coordination.config import ConfigError
+from train.config import model_experts
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -32,6 +33,12 @@ class ModelShape:
     vocab: int
     tied: bool = False
     attention_bias: bool = False
+    # Mixture of experts (0 experts: dense): each sparse layer's MLP is `experts` MLPs of width
+    # expert_intermediate plus a router, and a shared expert where the family has one (Qwen2-MoE).
+    experts: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    dense_layers: int = 0          # layers of an MoE model whose MLP stays dense (mlp_only_layers)
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelShape":
@@ -42,7 +49,7 @@ class ModelShape:
                        kv_heads=int(c.get("num_key_value_heads") or heads),
                        head_dim=int(c.get("head_dim") or h // heads), intermediate=int(c["intermediate_size"]),
                        vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
-                       attention_bias=bool(c.get("attention_bias", False)))
+                       attention_bias=bool(c.get("attention_bias", False)), **_moe_sizes(c))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"the model's config.json lacks a decoder size the memory plan needs ({exc}); it reads "
                               f"hidden_size, num_hidden_layers, num_attention_heads, intermediate_size and "
@@ -71,9 +78,26 @@ class ModelShape:
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @property
-    def block_params(self) -> int:
+    def expert_params(self) -> int:
+        """One sparse layer's experts (the tensors train.ep shards); 0 for a dense model."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    def _block(self, sparse: bool) -> int:
         bias = self.q_width + 2 * self.kv_width if self.attention_bias else 0
-        return sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden + bias
+        shapes = self.linear_shapes()
+        attention = sum(a * b for name, (a, b) in shapes.items() if name.endswith(("q_proj", "k_proj", "v_proj",
+                                                                                   "o_proj")))
+        if sparse:
+            shared = 3 * self.hidden * self.shared_intermediate + (self.hidden if self.shared_intermediate else 0)
+            mlp = self.expert_params + self.experts * self.hidden + shared
+        else:
+            mlp = 3 * self.hidden * self.intermediate
+        return attention + mlp + 2 * self.hidden + bias
+
+    @property
+    def block_params(self) -> int:
+        """The largest block (a sparse one in an MoE model: FSDP2 gathers all its experts at ep=1)."""
+        return self._block(sparse=self.experts > 0)
 
     @property
     def root_params(self) -> int:
@@ -82,7 +106,10 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.layers * self.block_params + self.root_params
+        if not self.experts:
+            return self.layers * self.block_params + self.root_params
+        sparse = self.layers - self.dense_layers
+        return sparse * self._block(True) + self.dense_layers * self._block(False) + self.root_params
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         shapes = self.linear_shapes()
@@ -98,3 +125,17 @@ class ModelShape:
 
     def kv_cache_bytes_per_token(self, d: int) -> int:
         return 2 * self.layers * self.kv_width * d
+
+
+def _moe_sizes(c: dict[str, Any]) -> dict[str, int]:
+    """ModelShape's expert fields from a config: Qwen2/3-MoE and OLMoE (num_experts,
+    moe_intermediate_size, mlp_only_layers, decoder_sparse_step, Qwen2-MoE's shared expert) and
+    Mixtral (num_local_experts, each intermediate_size wide)."""
+    experts = model_experts(c)
+    if not experts:
+        return {}
+    layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step") or 1)
+    dense_only = set(c.get("mlp_only_layers") or [])
+    dense = sum(1 for i in range(layers) if i in dense_only or (i + 1) % step)
+    return {"experts": experts, "expert_intermediate": int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+            "shared_intermediate": int(c.get("shared_expert_intermediate_size") or 0), "dense_layers": dense}

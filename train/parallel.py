@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from coordination.config import ConfigError
 from train.config import check_world_size
 from train.distributed import DistInfo
+from train.expert import shard_experts
 from train.model import Policy, decoder_blocks
 
 
@@ -42,13 +43,17 @@ def device_mesh(info: DistInfo, dp_replicate: int):
 
 def apply_parallelism(policy: Policy, backend: str, info: DistInfo, dtype: torch.dtype, *,
                       reshard_after_forward: bool = True, dp_replicate: int = 1,
-                      cpu_offload: bool = False) -> nn.Module:
+                      cpu_offload: bool = False, ep: int = 1) -> nn.Module:
     """Return the module to call for forward/backward; `policy` keeps its parameters (sharded
-    DTensors under FSDP2, the replicated tensors under DDP)."""
+    DTensors under FSDP2, the replicated tensors under DDP). `ep` > 1: the experts are sharded
+    over EP groups first (train/expert.py) and FSDP2 shards the rest."""
     if backend == "fsdp":
         from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                             register_fsdp_forward_method)
 
+        experts: set[nn.Parameter] | None = None
+        if ep > 1:
+            experts = shard_experts(policy.lm, info, ep)
         mesh = device_mesh(info, dp_replicate)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
             else MixedPrecisionPolicy()
@@ -56,10 +61,10 @@ def apply_parallelism(policy: Policy, backend: str, info: DistInfo, dtype: torch
         offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cpu_offload else OffloadPolicy()
         for block in decoder_blocks(policy.lm):
             fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, ignored_params=experts)
         # The root (embedding, final norm, LM head) is left to FSDP2's default (None), which keeps
         # its parameters gathered from the forward to the backward that follows at once.
-        fully_shard(policy, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(policy, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=experts)
         register_fsdp_forward_method(policy, "generate")
         return policy
     if backend == "ddp":
@@ -96,6 +101,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
+    meshes = {id(p.grad.device_mesh) for p in grads if isinstance(p.grad, DTensor)}
+    if len(meshes) > 1:
+        return _clip_across_meshes(grads, max_norm)
     if max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
     else:
@@ -103,6 +111,27 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _clip_across_meshes(params: list[nn.Parameter], max_norm: float) -> float:
+    """clip_grad_norm for gradients on several device meshes (expert parallelism: the experts'
+    mesh beside FSDP2's), which torch's foreach norm cannot mix: one norm per mesh, combined."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else 0, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = float(torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms])))
+    # The same coefficient as torch.nn.utils.clip_grads_with_norm_.
+    coef = max_norm / (total + 1e-6)
+    if max_norm > 0 and coef < 1:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 def full_state_dict(policy: Policy) -> dict[str, torch.Tensor]:

@@ -34,6 +34,9 @@ from torch.futures import Future
 from coordination.checkpoint_files import Stamp, check_stamp, open_listed, safetensors_header
 from coordination.checkpoints import CheckpointError, stamp_of
 from coordination.records import atomic_output
+from train.expert import expert_writers
+from train.expert_io import fill_experts, own_experts, per_expert_stored
+from train.expert_layout import checkpoint_tensors
 from train.model import quiet_transformers
 
 INDEX = "model.safetensors.index.json"
@@ -83,24 +86,39 @@ def open_weights(path: Path, owner: Stamp | None) -> int:
     return fd
 
 
-def stored_names(folder: Path) -> set[str]:
-    """Tensor names in `folder`'s safetensors files (headers only)."""
-    names: set[str] = set()
+def stored_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of `folder` that holds it (headers only)."""
+    files: dict[str, Path] = {}
     owner = stamp_of(folder)
     for path in weight_files(folder):
         fd = open_weights(path, owner)
         try:
-            names.update(k for k in safetensors_header(fd, path)[0] if k != "__metadata__")
+            files.update((k, path) for k in safetensors_header(fd, path)[0] if k != "__metadata__")
         finally:
             os.close(fd)
-    return names
+    return files
+
+
+def stored_names(folder: Path) -> set[str]:
+    """Tensor names in `folder`'s safetensors files (headers only)."""
+    return set(stored_files(folder))
+
+
+def per_expert_params(lm: nn.Module, stored: set[str], besides: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Stacked expert parameters of `lm` whose checkpoint stores one tensor per expert: the
+    parameter name -> its weight-file key (train/expert_io.py reads them)."""
+    model_type = getattr(lm.config, "model_type", "")
+    return {n: file_key(n) for n, p in lm.named_parameters()
+            if n not in besides and per_expert_stored(model_type, file_key(n), p.shape, stored)}
 
 
 def missing_names(lm: nn.Module, folder: Path, besides: frozenset[str] = frozenset()) -> list[str]:
     """Parameters of `lm` (other than those named in `besides`) that `folder`'s files do not hold
-    under the module's own names (a model whose checkpoints use other names is loaded by
-    transformers, which converts them)."""
-    return sorted({file_key(n) for n, _ in lm.named_parameters() if n not in besides} - stored_names(folder))
+    under the module's own names, nor (stacked experts) one tensor per expert (a model whose
+    checkpoints use other names is loaded by transformers, which converts them)."""
+    stored = stored_names(folder)
+    experts = per_expert_params(lm, stored, besides)
+    return sorted({file_key(n) for n, _ in lm.named_parameters() if n not in besides and n not in experts} - stored)
 
 
 def build_on_meta(folder: Path, attn: str) -> nn.Module:
@@ -207,7 +225,9 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
         raise ValueError(f"no parameters {sorted(set(extra) - set(named))[:3]} in the model to fill")
     for name, value in extra.items():
         place_full(named[name], value)
-    targets = {file_key(n): p for n, p in named.items() if n not in extra}
+    files = stored_files(folder)
+    experts = per_expert_params(policy.lm, set(files), frozenset(extra))
+    targets = {file_key(n): p for n, p in named.items() if n not in extra and n not in experts}
     missing = missing_names(policy.lm, folder, frozenset(extra))
     if missing:
         raise CheckpointError(f"{folder} has no weights for {missing[:3]} ({len(missing)} missing); it is not a "
@@ -221,7 +241,10 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
     except CheckpointException as exc:  # a BaseException: make it the trainer's reported failure
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
-    return len(targets)
+    if experts:
+        fill_experts(getattr(policy.lm.config, "model_type", ""), {k: named[n] for n, k in experts.items()}, files,
+                     open_weights, stamp_of(folder))
+    return len(targets) + len(experts)
 
 
 def place_full(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -296,12 +319,15 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
     rank holds its share of the published model (about 1/world of it) plus one tensor in flight.
     `merge` (train.lora.merge_sources): base weight name -> how its LoRA adapters merge into it;
     the owner gathers that layer's adapters too and publishes the merged weight."""
-    named = published_names(policy)
+    model_type = getattr(policy.lm.config, "model_type", "")
     params = dict(policy.lm.named_parameters())
     merge = merge or {}
+    # Experts sharded by expert parallelism are written by the ranks that hold them, ungathered.
+    experts = {n: w for n, t in published_names(policy) if (w := expert_writers(t)) is not None}
+    named = [(n, t) for n, t in published_names(policy) if n not in experts]
     sizes = [t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for _, t in named]
     owner = owners(sizes, world_size)
-    writers = sorted(set(owner))
+    writers = sorted(set(owner) | {r for ranks in experts.values() for r in ranks})
     file_of = {r: shard_name(i, len(writers)) for i, r in enumerate(writers)}
     mine: dict[str, torch.Tensor] = {}
     for (name, t), o in zip(named, owner):
@@ -313,14 +339,23 @@ def gather_share(policy, rank: int, world_size: int, dtype: torch.dtype, merge: 
                 full = source.merged(full, a, b)
             del a, b
         if o == rank:
-            mine[file_key(name)] = full.detach().to(device="cpu", dtype=dtype if full.is_floating_point()
-                                                    else full.dtype).contiguous()
+            # Stacked experts are published one tensor per expert, the layout vLLM reads.
+            for key, value in checkpoint_tensors(model_type, file_key(name), full.detach()):
+                mine[key] = value.to(device="cpu", dtype=dtype if value.is_floating_point()
+                                     else value.dtype).contiguous()
         del full
+    mine.update(own_experts(model_type, {file_key(n): params[n] for n in experts}, dtype))
     files = [file_of[r] for r in writers]
     index = None
     if len(writers) > 1:
-        index = {"metadata": {"total_size": sum(sizes)},
-                 "weight_map": {file_key(name): file_of[o] for (name, _), o in zip(named, owner)}}
+        weight_map = {key: file_of[o] for (name, t), o in zip(named, owner)
+                      for key, _ in checkpoint_tensors(model_type, file_key(name), torch.empty(t.shape, device="meta"))}
+        for name, ranks in experts.items():
+            one = torch.empty((1, *params[name].shape[1:]), device="meta")
+            weight_map.update((key, file_of[r]) for e, r in enumerate(ranks)
+                              for key, _ in checkpoint_tensors(model_type, file_key(name), one, e))
+        expert_size = sum(params[n].numel() * dtype.itemsize for n in experts)
+        index = {"metadata": {"total_size": sum(sizes) + expert_size}, "weight_map": weight_map}
         files.append(INDEX)
     return Share(mine, file_of.get(rank), files, index)
 

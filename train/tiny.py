@@ -1,7 +1,11 @@
-"""A tiny Llama checkpoint for CPU runs, tests and the demo.
+"""A tiny Llama checkpoint for CPU runs, tests and the demo (and a tiny Qwen3-MoE with `--moe`).
 
 `python -m train.tiny --out DIR` writes a complete Hugging Face folder (config, safetensors
 weights, tokenizer, generation config) that transformers and vLLM on CPU load as they are.
+`--moe` writes a Qwen3-MoE model instead (every MLP a sparse block of `--experts` experts, the
+router choosing `--top-k` per token) with the same tokenizer, attention shape and width, for the
+expert-parallel trainer. Qwen3-MoE because transformers keeps its experts as
+two stacked [experts, ...] tensors per layer, which shard along the expert dimension as they are.
 
 Choices and their reasons (measured; docs/design.md §10.3 and §10.4):
 - Llama, not Qwen2: with a Qwen2 config AutoTokenizer forces Qwen2Tokenizer, whose byte-level
@@ -43,8 +47,10 @@ def build_tokenizer():
 
 
 def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_heads: int,
-                       intermediate: int, max_positions: int):
-    from transformers import LlamaConfig
+                       intermediate: int, max_positions: int, experts: int = 0, top_k: int = 2):
+    """A LlamaConfig, or with `experts` > 0 a Qwen3MoeConfig whose experts are each
+    intermediate / top_k wide, so a token's active MLP width equals the dense model's."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     if hidden % heads:
         raise click.UsageError(f"--hidden ({hidden}) must be divisible by --heads ({heads})")
@@ -54,6 +60,20 @@ def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_he
             f"raise --hidden or lower --heads")
     if heads % kv_heads:
         raise click.UsageError(f"--heads ({heads}) must be divisible by --kv-heads ({kv_heads})")
+    if experts:
+        if not 1 <= top_k <= experts:
+            raise click.UsageError(f"--top-k ({top_k}) must be between 1 and --experts ({experts})")
+        if intermediate % top_k:
+            raise click.UsageError(f"--intermediate ({intermediate}) must be divisible by --top-k ({top_k}): each "
+                                   f"expert is intermediate / top_k wide")
+        return Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+            moe_intermediate_size=intermediate // top_k, num_experts=experts, num_experts_per_tok=top_k,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+            max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)
     return LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -63,8 +83,10 @@ def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_he
 
 
 def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
-                     intermediate: int = 384, max_positions: int = 256, seed: int = 0) -> Path:
-    """Write a randomly initialised tiny Llama folder to `out` (created; must be empty or absent)."""
+                     intermediate: int = 384, max_positions: int = 256, seed: int = 0, experts: int = 0,
+                     top_k: int = 2) -> Path:
+    """Write a randomly initialised tiny Llama folder (with `experts` > 0: Qwen3-MoE) to `out`
+    (created; must be empty or absent)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -73,7 +95,8 @@ def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: in
         raise click.UsageError(f"--out {out} is not empty; choose a new folder or remove it first")
     tokenizer = build_tokenizer()
     config = build_model_config(tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                                intermediate=intermediate, max_positions=max_positions)
+                                intermediate=intermediate, max_positions=max_positions, experts=experts,
+                                top_k=top_k)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -96,12 +119,18 @@ def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: in
 @click.option("--intermediate", default=384, show_default=True)
 @click.option("--max-positions", default=256, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def main(out: Path, **kw) -> None:
-    """Write a tiny character-level Llama checkpoint for CPU runs."""
+@click.option("--moe", is_flag=True, help="write a Qwen3-MoE model (sparse expert MLPs) instead of a dense Llama")
+@click.option("--experts", default=4, show_default=True, help="--moe: experts per layer")
+@click.option("--top-k", default=2, show_default=True, help="--moe: experts each token is routed to")
+def main(out: Path, moe: bool, experts: int, top_k: int, **kw) -> None:
+    """Write a tiny character-level Llama (or Qwen3-MoE) checkpoint for CPU runs."""
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
-    path = write_tiny_model(out, **kw)
+    if moe and experts < 1:
+        raise click.UsageError(f"--experts ({experts}) must be at least 1 with --moe")
+    path = write_tiny_model(out, experts=experts if moe else 0, top_k=top_k, **kw)
     n = json.loads((path / "baton-tiny.json").read_text())["parameters"]
-    click.echo(f"wrote tiny Llama ({n:,} parameters) to {path}")
+    kind = f"Qwen3-MoE, {experts} experts top-{top_k}" if moe else "Llama"
+    click.echo(f"wrote tiny {kind} ({n:,} parameters) to {path}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from rollout.inference import VLLM_LORA_RANKS
 from rollout.envs import EnvError, check_env
 from rollout.rewards import RewardError, check_reward
 from rollout.tasks import TaskFileError
-from train.config import check_world_size
+from train.config import check_ep_launch, check_world_size
 from train.memory_check import check_memory
 
 
@@ -80,6 +80,14 @@ def trainer_world_size(r: RunInputs) -> str | None:
     if not (r.args.kind.trains and train.backend == "fsdp"):
         return None
     return by_message(lambda: check_world_size(train.dp_replicate, r.args.num_nodes * train.nproc_per_node))
+
+
+def expert_parallel_degree(r: RunInputs) -> str | None:
+    """train.ep divides the trainer processes and the model's experts (a dense model has none)."""
+    train = r.cfg.train
+    if not r.args.kind.trains:
+        return None
+    return by_message(lambda: check_ep_launch(train, r.args.num_nodes, r.cfg.model.path))
 
 
 def flash_attn_installed(r: RunInputs) -> str | None:
@@ -162,6 +170,7 @@ RUN_RULES: tuple[Rule, ...] = (
     Rule("model-path-exists", model_path_exists, needs=("model-path-given",)),
     Rule("lora-rank-served", lora_rank_served),
     Rule("trainer-world-size", trainer_world_size),
+    Rule("expert-parallel-degree", expert_parallel_degree),
     Rule("flash-attn-installed", flash_attn_installed),
     Rule("task-files", task_files),
     Rule("reward-scores", reward_scores, needs=("task-files",)),
