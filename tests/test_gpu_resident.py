@@ -57,7 +57,8 @@ ALLOCATOR_AFTER_RELEASE_LIMIT_MIB = 128
 
 class DeviceSampler:
     """Samples, every 0.2 s, the state record of node 0's trainer and the device memory of each
-    process as nvidia-smi lists it; `samples` holds (state, iteration, pid, used MiB or None)."""
+    process as nvidia-smi lists it; `samples` holds (state, iteration, pid, used MiB or None) of
+    the samples during which the state did not change."""
 
     def __init__(self, lay: RunLayout):
         self.lay, self.samples, self._stop = lay, [], threading.Event()
@@ -76,11 +77,16 @@ class DeviceSampler:
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
-            states = _trainer_states(self.lay, 0)
-            if not states or self.smi is None:
+            before = _trainer_states(self.lay, 0)
+            if not before or self.smi is None:
                 continue
-            s = states[0]
-            self.samples.append((s["state"], s.get("iteration"), s["pid"], self._apps().get(s["pid"])))
+            apps = self._apps()
+            after = _trainer_states(self.lay, 0)
+            # The trainer publishes a state before it takes device memory back: a sample counts
+            # only when the same state record was there before and after nvidia-smi looked.
+            if after and after[0]["time"] == before[0]["time"]:
+                s = before[0]
+                self.samples.append((s["state"], s.get("iteration"), s["pid"], apps.get(s["pid"])))
 
     def __enter__(self) -> "DeviceSampler":
         self.thread.start()
@@ -93,7 +99,7 @@ class DeviceSampler:
 
 @pytest.fixture(scope="module")
 def model_200m(tmp_path_factory) -> Path:
-    from train.bench_load_publish import bench_model
+    from bench.load_publish import bench_model
 
     return bench_model(tmp_path_factory.mktemp("gpu-resident-m200") / "model")
 

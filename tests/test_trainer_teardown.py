@@ -119,7 +119,7 @@ def test_a_resident_trainer_that_rebuilds_its_200m_model_holds_one_model_at_a_ti
     from coordination.layout import RunLayout
     from coordination.net import free_port
     from coordination.procgroup import stop_group
-    from train.bench_load_publish import bench_model
+    from bench.load_publish import bench_model
     from train.config import TrainConfig
     from train.data import model_inputs
     from train.launch import torchrun_command

@@ -190,9 +190,10 @@ class Mailbox:
             time.sleep(backoff.next())
 
     def say(self, state: str, *, iteration: int | None = None, device_memory_mb: float | None = None,
-            **extra: Any) -> None:
+            to_timeline: bool = True, **extra: Any) -> None:
         """Publish this process's state; local rank 0 also adds it to the node's trainer timeline
-        (the trainer lane of `report`'s timeline.png)."""
+        (the trainer lane of `report`'s timeline.png) unless `to_timeline` is false (a second record
+        of the same state, with its memory)."""
         path = self.job.trainer_state(self.node_rank, self.local_rank)
         ensure_dir(path.parent)
         now = time.time()
@@ -201,7 +202,7 @@ class Mailbox:
                         "device_memory_mb": device_memory_mb, "rank": int(os.environ.get("RANK", "0")),
                         "time": now, **extra},
                        run_id=self.run_id, generation=0, durable=False)
-        if self.local_rank == 0:
+        if self.local_rank == 0 and to_timeline:
             try:
                 timeline.append(self.job.trainer_timeline(self.node_rank), {
                     "job": self.job.name, "rank": self.node_rank, "launch": self.launch, "event": state,

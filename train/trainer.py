@@ -381,11 +381,16 @@ def run_resident(log_path: Path, job: str, node_rank: int, launch: str) -> int:
                 # the plan's input checkpoint and optimizer state (the durable state).
                 box.say("loading", iteration=iteration)
                 held = _load_resident(plan, info, layout, run_id, replaces=held)
+                box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
             else:
                 _log.info("resident trainer %s: iteration %d continues the model it holds (input iteration %d)",
                           launch, iteration, held.iteration)
+                # Said before the copies come back: a state "offloaded" is never read while the
+                # device holds them again. The record then gets the memory they take.
+                box.say("training", iteration=iteration)
                 held.offload.to_device()
-            box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device))
+                box.say("training", iteration=iteration, device_memory_mb=device_memory_mb(info.device),
+                        to_timeline=False)
 
             def release(held: Held = held, iteration: int = iteration) -> dict[str, Any]:
                 hold = os.environ.get("BATON_TEST_HOLD_OFFLOAD", "")  # tests: "N:S" holds iteration N's S seconds
