@@ -155,11 +155,18 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = _hints(cls)
     names = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
+    kwargs, problems = {}, []
+    # Every key of every section is read before anything is refused, so one run shows all the
+    # values to fix (each section's own cross-checks run once its values are good).
     for k, v in data.items():
-        if k not in names:
-            raise _unknown_key(prefix + str(k), [prefix + n for n in names] + all_keys(cls, prefix))
-        kwargs[k] = _coerce(v, hints[k], prefix + k)
+        try:
+            if k not in names:
+                raise _unknown_key(prefix + str(k), [prefix + n for n in names] + all_keys(cls, prefix))
+            kwargs[k] = _coerce(v, hints[k], prefix + k)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
         return cls(**kwargs)
     except ConfigError as exc:

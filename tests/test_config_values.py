@@ -85,3 +85,16 @@ def test_what_is_not_a_number_is_still_refused_naming_the_value(text):
 def test_strings_stay_strings():
     cfg = load_run_config([], ["model.path=1e5-run", "tasks.reward=pkg.mod:fn"])
     assert cfg.model.path == "1e5-run" and cfg.tasks.reward == "pkg.mod:fn"
+
+
+def test_every_bad_value_is_named_at_once_across_sections(tmp_path):
+    """Three bad values in three sections: one start (or dry run) names all three, before writing."""
+    log = tmp_path / "run"
+    res = subprocess.run([RUN_SH, "--data-path", str(tmp_path), "--log-path", str(log), "--rl-phase", "update",
+                          "model.path=/m", "train.lr=abc", "rollout.group_size=-1", "run.max_iterations=x",
+                          "--dry-run"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    for says in ("train.lr must be a number (got 'abc')", "rollout.group_size must be positive (got -1)",
+                 "run.max_iterations must be an integer (got 'x')"):
+        assert says in res.stderr, res.stderr
+    assert not log.exists()
