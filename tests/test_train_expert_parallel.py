@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests import train_support as ts
-from tests.test_train_levers_dist import _rows
+from tests.test_train_levers_dist import _rows, two_steps_saved
 
 CASES = {"ep1": {}, "ep2": {"ep": 2}}
 LOGP_TOL = 1e-5
@@ -41,8 +41,6 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
     from train.config import TrainConfig
     from train.distributed import init_distributed, shutdown
     from train.expert import expert_bytes
-    from train.parallel import full_state_dict
-    from train.step import StepSettings, train_step
 
     info = init_distributed(120.0)
     results = {}
@@ -55,16 +53,10 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
             mb = collate(rows[info.rank::info.world_size], pad_id=0)
             with torch.no_grad():
                 logp, _ = t.model(mb.input_ids, mb.attention_mask, mb.targets)
-            torch.save({"logp": logp, "mask": mb.loss_mask}, out / f"{name}-logp-{info.rank}.pt")
+            save_file({"logp": logp.contiguous(), "mask": mb.loss_mask.contiguous()},
+                      str(out / f"{name}-logp-{info.rank}.safetensors"))
             (out / f"{name}-expert-bytes-{info.rank}").write_text(str(expert_bytes(t.policy.lm)))
-            total = sum(len(r["completion_ids"]) for r in rows)
-            settings = StepSettings(algorithm="grpo", backend=cfg.backend, dtype=t.dtype)
-            steps = [train_step(t.model, t.params, t.optimizer, [mb], global_completion_tokens=total, lr=cfg.lr,
-                                settings=settings, info=info) for _ in range(2)]
-            weights = full_state_dict(t.policy)
-            if info.is_main:
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
-            results[name] = {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps]}
+            results[name] = two_steps_saved(t, cfg, info, rows, mb, out / f"{name}.safetensors")
             if name == "ep2":
                 results[f"offload-{info.rank}"] = _offload_round_trip(t, info.device)
         # Sharded load from a copy whose experts 2 and 3 are NaN: each rank reads only its own experts.
@@ -75,7 +67,7 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
         local = experts.gate_up_proj.to_local()
         results[f"poisoned-{info.rank}"] = {"sharded": loaded.sharded, "finite": bool(local.isfinite().all()),
                                             "local_experts": local.shape[0]}
-        torch.save(local, out / f"poisoned-gate-up-{info.rank}.pt")
+        save_file({"gate_up_proj": local.contiguous()}, str(out / f"poisoned-gate-up-{info.rank}.safetensors"))
         all_results = [None] * info.world_size
         torch.distributed.all_gather_object(all_results, results)
         if info.is_main:
@@ -152,7 +144,7 @@ def test_ep2_logprobs_equal_one_process_and_its_update_equals_ep1(launched):
     model, out, results = launched
     for rank, ref in enumerate(_reference_logp(model)):
         for name in CASES:
-            got = torch.load(out / f"{name}-logp-{rank}.pt")
+            got = load_file(str(out / f"{name}-logp-{rank}.safetensors"))
             mask = got["mask"].bool()
             worst = (got["logp"] - ref)[mask].abs().max().item()
             assert worst <= LOGP_TOL, (name, rank, worst)
@@ -193,13 +185,15 @@ if __name__ == "__main__":
 def test_sharded_load_fills_each_ranks_experts_from_their_own_tensors_only(launched):
     """Experts 2 and 3 are NaN in the file: rank 0 (experts 0 and 1) reads none of them and holds
     exactly the model's values; rank 1 holds the NaNs, so its experts did come from the file."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model, out, results = launched
     assert results["poisoned-0"] == {"sharded": True, "finite": True, "local_experts": 2}
     assert results["poisoned-1"] == {"sharded": True, "finite": False, "local_experts": 2}
     whole = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
-    assert torch.equal(torch.load(out / "poisoned-gate-up-0.pt"), whole.model.layers[0].mlp.experts.gate_up_proj[:2])
+    local = load_file(str(out / "poisoned-gate-up-0.safetensors"))["gate_up_proj"]
+    assert torch.equal(local, whole.model.layers[0].mlp.experts.gate_up_proj[:2])
 
 
 def test_the_resident_offload_moves_the_expert_shards_and_their_moments_and_restores_them(launched):

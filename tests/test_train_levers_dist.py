@@ -63,19 +63,33 @@ def _rows(vocab: int) -> list[dict]:
     return rows
 
 
+def two_steps_saved(t, cfg, info, rows: list[dict], mb, path: Path) -> dict:
+    """Collective: two GRPO steps of the trainable `t` on this rank's micro-batch `mb` of `rows`,
+    then the full weights at `path` (rank 0); the steps' losses and gradient norms."""
+    from safetensors.torch import save_file
+
+    from train.parallel import full_state_dict
+    from train.step import StepSettings, train_step
+
+    total = sum(len(r["completion_ids"]) for r in rows)
+    settings = StepSettings(algorithm="grpo", backend=cfg.backend, dtype=t.dtype)
+    steps = [train_step(t.model, t.params, t.optimizer, [mb], global_completion_tokens=total, lr=cfg.lr,
+                        settings=settings, info=info) for _ in range(2)]
+    weights = full_state_dict(t.policy)
+    if info.is_main:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
+    return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps]}
+
+
 def worker(model: Path, out: Path, group: str) -> None:
     """Every rank: for each case, build, train two steps on this rank's half of the batch; rank 0
     writes the results."""
     import torch
-    from safetensors.torch import save_file
-
     from coordination.config import from_dict
     from train.batches import collate
     from train.build import load_model, make_trainable
     from train.config import TrainConfig
     from train.distributed import init_distributed, shutdown
-    from train.parallel import full_state_dict
-    from train.step import StepSettings, train_step
 
     info = init_distributed(120.0)
     results = {}
@@ -86,14 +100,7 @@ def worker(model: Path, out: Path, group: str) -> None:
             t = make_trainable(load_model(cfg, model, None), cfg, info)
             rows = _rows(t.policy.lm.config.vocab_size)
             mb = collate(rows[info.rank::info.world_size], pad_id=0)
-            total = sum(len(r["completion_ids"]) for r in rows)
-            settings = StepSettings(algorithm="grpo", backend=cfg.backend, dtype=t.dtype)
-            steps = [train_step(t.model, t.params, t.optimizer, [mb], global_completion_tokens=total, lr=cfg.lr,
-                                settings=settings, info=info) for _ in range(2)]
-            weights = full_state_dict(t.policy)
-            if info.is_main:
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"{name}.safetensors"))
-            results[name] = {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
+            results[name] = {**two_steps_saved(t, cfg, info, rows, mb, out / f"{name}.safetensors"),
                              "checkpointed_blocks": t.checkpointed_blocks}
         if info.is_main:
             (out / "results.json").write_text(json.dumps(results))
