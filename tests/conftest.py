@@ -82,6 +82,18 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """The transformers engine serving a fresh tiny model, for one module's tests."""
+    from rollout.engines.transformers_engine import TransformersEngine
+    from train.tiny import write_tiny_model
+
+    eng = TransformersEngine()
+    eng.start(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+    yield eng
+    eng.stop()
+
+
 @pytest.fixture(autouse=True)
 def no_fence_left_behind():
     """Node.join installs a process-wide fence guard; a test that joins in-process and does not

@@ -14,11 +14,9 @@ from coordination.layout import RunLayout
 from rollout.aggregate import aggregate
 from rollout.chunks import read_chunk
 from rollout.config import RolloutConfig
-from rollout.engines.transformers_engine import TransformersEngine
 from rollout.rewards import TIMED_OUT, CheckedReward, RewardError, RewardTimeout, check_reward
 from rollout.tasks import Task, arithmetic_tasks
 from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
-from train.tiny import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 RUN_ID = "run-test"
@@ -97,11 +95,8 @@ def test_the_start_check_refuses_a_hanging_reward_and_accepts_a_slow_one(release
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    eng = TransformersEngine()
-    eng.start(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
-    yield eng
-    eng.stop()
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def _roll(engine, layout, tasks, reward):

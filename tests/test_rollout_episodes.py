@@ -13,7 +13,6 @@ from rollout import store
 from rollout.chunks import RolloutError
 from rollout.config import RolloutConfig
 from rollout.engine import Sampling
-from rollout.engines.transformers_engine import TransformersEngine
 from rollout.envs import EnvError, Step, load_env
 from rollout.episodes import Bounds
 from rollout.prompts import ObservationTokens, chat_ids
@@ -22,7 +21,6 @@ from rollout.tasks import Task
 from rollout.worker import RolloutTarget, Sampler, roll_groups, rollout_rank, sampling_for
 from tests.test_vllm_lifecycle import checkpoint, make, stand_in  # noqa: F401 - fixtures of the stand-in server
 from train.batches import collate
-from train.tiny import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REWARD = load_reward("arithmetic")
@@ -30,11 +28,8 @@ never = threading.Event()  # what a hanging environment waits for; set at module
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    eng = TransformersEngine()
-    eng.start(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
-    yield eng
-    eng.stop()
+def engine(tiny_engine):
+    yield tiny_engine
     never.set()
 
 
