@@ -4,7 +4,8 @@ The CPU tests prove the logic of each path on gloo; these run the same code wher
 bfloat16, vLLM's CUDA server and the caching allocator:
 - an FSDP2 training step over NCCL in bfloat16 (one process per GPU, at most 2), the sharded load
   before it and the parallel publication after it: the published bf16 weights are exactly the
-  trained ones cast;
+  trained ones cast; the same for the tiny mixture-of-experts model (router and experts on CUDA,
+  the per-expert publication layout);
 - vLLM on the GPU serves that publication, frees its memory asleep, wakes with other weights and
   reloads: each time its logprobs match a transformers forward of the weights it should serve;
 - the memory plan (train/memory_plan.py) against the peak the caching allocator measures in a
@@ -69,6 +70,25 @@ def test_fsdp2_nccl_bf16_step_publishes_exactly_what_it_trained(base, published)
     for k, v in trained.items():
         assert torch.equal(weights[k], v.to(torch.bfloat16)), k
     assert not torch.equal(trained["model.norm.weight"], _load(base / "model.safetensors")["model.norm.weight"])
+
+
+def test_a_moe_bf16_step_on_the_gpu_publishes_exactly_what_it_trained(tmp_path):
+    """The tiny Qwen3-MoE (4 experts, top-2) through the same step and publication in bfloat16 on
+    CUDA: the router's top-k and the experts' grouped matmuls run on the GPU, and the per-expert
+    Hugging Face layout the publication writes loads back to exactly the trained weights cast."""
+    moe = ts.make_tiny(tmp_path / "tiny-moe", layers=2, experts=4, top_k=2)
+    out = tmp_path / "publish"
+    _launch("publish", moe, out, _world(), extra={"dtype": "bfloat16"}, timeout=600)
+    trained = _load(out / "trained.safetensors")
+    weights, dtype = _published_weights(out / "ckpt")
+    assert dtype == torch.bfloat16
+    assert any(".experts." in k for k in trained)
+    assert trained.keys() <= weights.keys()   # lm_head.weight: tied to the embedding, saved once
+    for k, v in trained.items():
+        assert torch.equal(weights[k], v.to(torch.bfloat16)), k
+    start, _ = _published_weights(moe)
+    assert [k for k in trained if ".experts." in k and not torch.equal(trained[k], start[k])], \
+        "the step moved no expert weight"
 
 
 def _engine(tmp_path: Path):
