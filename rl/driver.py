@@ -21,7 +21,7 @@ from coordination.checkpoints import apply_retention, is_complete, publish_check
 from coordination.children import run_watched
 from coordination.config import to_dict
 from coordination.join import join_job
-from coordination.layout import RunLayout
+from coordination.layout import RunLayout, check_no_links
 from coordination.node import Node
 from coordination.phases import BY_NUMBER, PhaseId
 from coordination.progress import Progress
@@ -467,6 +467,9 @@ class BenchJob(RLJob):
 
 def _stop_requested(layout: RunLayout):
     def check() -> str | None:
+        # A STOP that is a link was planted (stop.sh writes a plain file): it is refused with the
+        # link named, not followed to whatever file it points at.
+        check_no_links(layout.stop_file)
         return f"a stop was requested ({layout.stop_file})" if layout.stop_file.exists() else None
     return check
 

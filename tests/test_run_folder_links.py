@@ -239,3 +239,25 @@ def test_a_node_with_wandb_writes_nothing_outside_its_run_and_a_restart_refuses_
     assert procs.wait("restart", 120) == 3, procs.log("restart")[-3000:]
     out = procs.log("restart")
     assert f"{lay.wandb_runs_dir} is a symbolic link" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_a_node_polling_for_stop_refuses_a_stop_file_that_is_a_link(tmp_path):
+    """The nodes ask between waits whether STOP exists; `stop.sh` only ever writes a plain file,
+    so a link named STOP was planted: the poll refuses it naming the link instead of stopping the
+    run because of whatever file it points at (a link to a missing file is refused the same way)."""
+    from rl.driver import _stop_requested
+
+    layout = RunLayout(tmp_path / "run")
+    layout.root.mkdir()
+    poll = _stop_requested(layout)
+    assert poll() is None
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not a stop request")
+    for target in (outside, tmp_path / "missing"):
+        layout.stop_file.symlink_to(target)
+        with pytest.raises(LinkInRunFolder, match="STOP is a symbolic link"):
+            poll()
+        layout.stop_file.unlink()
+    assert outside.read_text() == "not a stop request"
+    layout.stop_file.write_text("stop")
+    assert poll() == f"a stop was requested ({layout.stop_file})"
