@@ -103,6 +103,12 @@ def is_complete(folder: Path, *, run_id: str | None = None) -> bool:
     return True
 
 
+# What to do about a damaged checkpoint of a run: baton never rewrites a published checkpoint and
+# `recover` neither repairs one nor moves LATEST back (later iterations were decided on it).
+UNREPAIRABLE = ("restore it from a copy, or start a new run (another --log-path) with model.path set to the "
+                "last good checkpoint of this one (its optimizer state then starts afresh)")
+
+
 def stamp_of(folder: Path) -> Stamp | None:
     """The run and iteration every safetensors file of checkpoint `folder` must carry (its
     marker's) when a loader reads it. None outside the run folders this process works in: a base
@@ -117,8 +123,7 @@ def stamp_of(folder: Path) -> Stamp | None:
     except Missing:
         return None
     except NotThereYet as exc:
-        raise CheckpointError(f"{exc}: the checkpoint's completeness marker is damaged; restore the checkpoint, or "
-                              f"point LATEST at an older one with `scripts/recover.sh`") from None
+        raise CheckpointError(f"{exc}: the checkpoint's completeness marker is damaged; {UNREPAIRABLE}") from None
     return Stamp(rec.run_id, int(rec.data["iteration"]))
 
 
@@ -135,8 +140,7 @@ def serving_weights(folder: Path) -> tuple[Path, Path | None]:
         lora = read_record(folder / TRAINER_STATE, kind="trainer-state").data.get("lora") or {}
     except NotThereYet as exc:
         raise CheckpointError(f"{folder / TRAINER_STATE} is damaged ({exc}), and {folder} has no full weights "
-                              f"(config.json): it cannot be served. Restore the checkpoint, or point LATEST at "
-                              f"an older one with `scripts/recover.sh`") from None
+                              f"(config.json): it cannot be served; {UNREPAIRABLE}") from None
     if not lora.get("base"):
         raise CheckpointError(f"{folder} has neither full weights (config.json) nor LoRA adapters with a base model "
                               f"(lora.base in {TRAINER_STATE}); it cannot be served")

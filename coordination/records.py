@@ -500,8 +500,9 @@ class PatientReader:
             since = self._broken_since.setdefault(path, self.clock())
             if self.clock() - since > self.broken_after:
                 raise BrokenRecord(
-                    f"{exc} -- it has stayed unusable for more than {self.broken_after:.0f} s; inspect it, or "
-                    f"remove it with `scripts/recover.sh` so it is written again") from None
+                    f"{exc} -- it has stayed unusable for more than {self.broken_after:.0f} s; inspect it. A "
+                    f"barrier's record (under sync/iter-N/) is removed with `scripts/recover.sh --reset-phase "
+                    f"ITER:PHASE`, which makes that phase run again") from None
             return None
         self._broken_since.pop(path, None)
         return rec

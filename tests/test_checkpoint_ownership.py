@@ -174,3 +174,19 @@ def test_a_base_model_is_the_users_folder_and_may_link_or_leave_unstamped_its_we
     shutil.copytree(written[("run-b", 1)], older)
     shutil.copyfile(written["base"] / "model.safetensors", older / "model.safetensors")
     assert load_model(TrainConfig(), older, read_trainer_state(older)).sharded
+
+
+def test_a_damaged_completeness_marker_names_what_repairs_it(tmp_path):
+    """baton never rewrites a published checkpoint and `recover` neither repairs one nor moves
+    LATEST back, so the refusal names the two ways out that exist: a copy, or a new run started
+    from the last good checkpoint."""
+    from coordination.checkpoints import MARKER, stamp_of
+
+    layout = RunLayout(tmp_path / "run")
+    folder = layout.checkpoint(2)
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_bytes(b"{half a rec")
+    with pytest.raises(CheckpointError, match="completeness marker is damaged") as refused:
+        stamp_of(folder)
+    assert "model.path set to the last good checkpoint" in str(refused.value)
+    assert "recover" not in str(refused.value)

@@ -80,8 +80,9 @@ def test_garbage_record_is_retried_then_reported_as_broken(tmp_path: Path):
     clock.advance(5)
     assert reader.read(p) is None
     clock.advance(6)
-    with pytest.raises(BrokenRecord, match="rec.json"):
+    with pytest.raises(BrokenRecord, match="rec.json") as broken:
         reader.read(p)
+    assert "scripts/recover.sh --reset-phase ITER:PHASE" in str(broken.value)   # the command that removes one
     publish_record(p, "k", {"x": 1}, run_id="r", generation=1)  # repaired: readable again
     assert reader.read(p).data == {"x": 1}
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import click
 
 from coordination import log
-from coordination.checkpoints import CheckpointError, is_complete, mark_complete, optimizer_pending, publish_optimizer
+from coordination.checkpoints import UNREPAIRABLE, CheckpointError, is_complete, mark_complete, optimizer_pending, publish_optimizer
 from coordination.clock import Backoff
 from coordination.config import ConfigError, from_dict
 from coordination.layout import RunLayout
@@ -116,8 +116,7 @@ def load_held(plan: dict[str, Any], cfg, info) -> Held:
         # A checkpoint of this run is checked file by file before a byte is loaded (links, second
         # names, every safetensors file's run and iteration); the base model is the user's.
         if int(plan["input_iteration"]) > 0 and not is_complete(source, run_id=plan["run_id"]):
-            raise CheckpointError(f"the input checkpoint {source} is missing or incomplete; restore it, or point "
-                                  f"LATEST at an older complete checkpoint with `scripts/recover.sh`")
+            raise CheckpointError(f"the input checkpoint {source} is missing or incomplete: {UNREPAIRABLE}")
         ref = load_reference(cfg, Path(plan["reference_model"])) if use_ref else None
         state = read_trainer_state(source)
         return load_model(cfg, source, state), state, ref
