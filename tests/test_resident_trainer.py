@@ -4,8 +4,11 @@ node (in phase 1, mid-step, while the trainer idles) and of the trainer alone, t
 trip, and no trainer process left behind."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 from coordination.layout import RunLayout
 from coordination.records import try_read
 from tests.e2e import check_complete_run, fresh_log, node_cmd
-from tests.procs import env
+from tests.procs import ROOT, env
 from tests.tolerance import float32_tolerance
 
 FLAGS = ("--rl-phase", "both", "--eval-interval", "0", "--num-nodes", "2", "--rank-weights", "1,1")
@@ -325,3 +328,30 @@ def test_a_node_killed_while_the_optimizer_state_is_written_replays_that_iterati
         seen |= _all_trainer_pids(ref, 3)
     finally:
         _kill_trainers_left(seen | _all_trainer_pids(lay, 3))
+
+
+_ONE_COPY_AT_A_TIME = """
+import json, sys, torch
+from train.memory import peak_rss_mb
+from train.offload import ResidentOffload
+# Eight 40 MB parameters (above glibc's largest mmap threshold, so each is its own mapping that a
+# free returns to the system at once), filled in place: no temporaries raise the peak beforehand.
+params = [torch.nn.Parameter(torch.empty(10_000_000).fill_(float(i))) for i in range(8)]
+opt = torch.optim.SGD(params, lr=0.1)
+before = peak_rss_mb()
+off = ResidentOffload([torch.nn.ParameterList(params)], opt, torch.device("cpu"))
+off.to_host()
+json.dump({"before": before, "after": peak_rss_mb(), "moved_mb": off.moved_bytes / 2**20}, sys.stdout)
+"""
+
+
+def test_offload_on_cpu_never_holds_the_whole_state_twice():
+    """On CPU host and device are one memory: each storage is freed as soon as its copy is made,
+    so to_host raises the process's peak by about one storage (40 MB), not by the whole state
+    (320 MB) as copying everything before freeing anything would."""
+    out = subprocess.run([sys.executable, "-c", _ONE_COPY_AT_A_TIME], cwd=ROOT, env=env(OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout)
+    assert 300 < m["moved_mb"] < 320
+    assert m["after"] - m["before"] < 0.5 * m["moved_mb"], m

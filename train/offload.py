@@ -183,13 +183,12 @@ class ResidentOffload:
         self._saved, self.moved_bytes = [], 0
         for storage in _storages(self.modules, self.optimizer, self.device):
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
-            host.copy_(_bytes_of(storage))
-            self._saved.append((storage, host))
+            host.copy_(_bytes_of(storage))   # blocking: the bytes are on the host when it returns
             self.moved_bytes += storage.nbytes()
-        if pin:
-            torch.cuda.synchronize(self.device)
-        for storage, _ in self._saved:
+            # Freed one by one: on CPU host and device are one memory, and freeing only after the
+            # last copy would hold the whole state twice for a moment.
             storage.resize_(0)
+            self._saved.append((storage, host))
         if pin:
             torch.cuda.empty_cache()
         self.storages = len(self._saved)
