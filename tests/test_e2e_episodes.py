@@ -3,6 +3,8 @@ the environment that tasks.env names, aggregates their stats and trains on their
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -10,6 +12,7 @@ import pytest
 
 from coordination.layout import RunLayout, chunk_identity
 from coordination.records import read_record
+from coordination.report import make_report
 from rollout import store
 from rollout.tasks import Task, write_tasks
 from tests.e2e import fresh_log, kill_and_restart, node_cmd, rows
@@ -54,8 +57,22 @@ def test_one_node_trains_on_guess_episodes(procs, tmp_path, assets):
     masks, ids = table["loss_mask"].to_pylist(), table["completion_ids"].to_pylist()
     assert all(len(m) == len(i) for m, i in zip(masks, ids)) and any(0 in m for m in masks)
     stats = read_record(lay.rollout_stats("train", 1)).data
-    assert stats["episodes"]["turns_mean"] == sum(turns) / len(turns)
-    assert sum(stats["episodes"]["terminations"].values()) == 24 * 4
+    episodes = stats["episodes"]
+    assert episodes["turns_mean"] == sum(turns) / len(turns)
+    assert sum(episodes["terminations"].values()) == 24 * 4
+    # The time split: one reset per episode and one step per sampled turn were timed; engine calls
+    # and waits for the environment are disjoint stretches of the rollout's wall time.
+    assert episodes["generated_turns"] == sum(turns) and episodes["env_calls"] == 24 * 4 + sum(turns)
+    assert episodes["env_seconds"] > 0 and episodes["generation_seconds"] > 0
+    assert episodes["generation_seconds"] + episodes["env_wait_seconds"] <= episodes["rollout_seconds"]
+    rank = stats["per_rank"]["0"]
+    assert rank["turns_per_s"] == sum(turns) / rank["seconds"] and rank["samples_per_s"] == 96 / rank["seconds"]
+    assert re.search(r"train rollout iter 1: 24/24 tasks, [0-9.]+ tasks/s  [0-9.]+ episodes/s  [0-9.]+ turns/s",
+                     procs.log("n0")), procs.log("n0")[-3000:]
+    summary = Path(make_report(log)["summary"]).read_text()
+    assert (f"| 1 | {episodes['success_rate']:.3f} | {episodes['turns_mean']:.2f} | "
+            f"{episodes['generation_seconds']:.1f} | {episodes['env_wait_seconds']:.1f} | "
+            f"{episodes['env_seconds']:.1f} |") in summary, summary
     plan = read_record(lay.training_plan(1)).data
     kept = int(pc.sum(pc.list_flatten(table["loss_mask"])).as_py())
     assert 0 < sum(s["completion_tokens"] for s in plan["steps"]) <= kept
