@@ -254,16 +254,15 @@ def summary_rows(metrics: list[dict]) -> list[dict[str, Any]]:
         phases = m.get("phase_seconds") or {}
         work = {name: max((r.get(name, {}).get("work", 0.0) for r in phases.values()), default=0.0)
                 for name in {n for r in phases.values() for n in r}}
-        episodes = (m.get("rollout") or {}).get("episodes") or {}
         rows.append({"iteration": m["iteration"], "train_reward": m.get("train_reward_mean"),
                      "eval_accuracy": m.get("eval_accuracy"), "eval_of_checkpoint":
                      m["iteration"] - 1 if m.get("eval_accuracy") is not None else None,
                      "loss": m.get("loss"),
                      "rollout_s": work.get("01-train-rollout"), "eval_s": work.get("05-eval"),
-                     "train_s": work.get("10-train"), "success_rate": episodes.get("success_rate"),
-                     "turns_per_episode": episodes.get("turns_mean"), "env_calls": episodes.get("env_calls"),
-                     "generation_s": episodes.get("generation_seconds"),
-                     "env_wait_s": episodes.get("env_wait_seconds"), "env_s": episodes.get("env_seconds")})
+                     "train_s": work.get("10-train"), "success_rate": m.get("train_success_rate"),
+                     "turns_per_episode": m.get("train_turns_mean"), "env_calls": m.get("train_env_calls"),
+                     "generation_s": m.get("train_generation_seconds"),
+                     "env_wait_s": m.get("train_env_wait_seconds"), "env_s": m.get("train_env_seconds")})
     return rows
 
 

@@ -69,6 +69,9 @@ def test_one_node_trains_on_guess_episodes(procs, tmp_path, assets):
     assert rank["turns_per_s"] == sum(turns) / rank["seconds"] and rank["samples_per_s"] == 96 / rank["seconds"]
     assert re.search(r"train rollout iter 1: 24/24 tasks, [0-9.]+ tasks/s  [0-9.]+ episodes/s  [0-9.]+ turns/s",
                      procs.log("n0")), procs.log("n0")[-3000:]
+    metrics = read_record(lay.metrics(1)).data  # what the sinks and the report read
+    assert {k: metrics[f"train_{k}"] for k in ("turns_mean", "env_calls", "env_seconds")} == \
+        {k: episodes[k] for k in ("turns_mean", "env_calls", "env_seconds")}
     summary = Path(make_report(log)["summary"]).read_text()
     assert (f"| 1 | {episodes['success_rate']:.3f} | {episodes['turns_mean']:.2f} | "
             f"{episodes['generation_seconds']:.1f} | {episodes['env_wait_seconds']:.1f} | "
