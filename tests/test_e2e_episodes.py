@@ -1,5 +1,6 @@
-"""A real run of scripts/run.sh on guess episodes: the driver rolls out multi-turn episodes with
-the environment that tasks.env names, aggregates their stats and trains on their policy tokens."""
+"""Real runs of scripts/run.sh on guess episodes: the driver rolls out multi-turn episodes with
+the environment that tasks.env names, aggregates their stats and time split, trains on their
+policy tokens, and (slow tier) a worker killed mid-episodes resumes from its complete groups."""
 from __future__ import annotations
 
 import hashlib
