@@ -15,6 +15,8 @@ from coordination.records import read_or_none
 # Rollout stats copied to the top level of the record (as train_<key>) for plots and status.
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "pass_at_1", "groups_all_solved", "groups_none_solved", "truncated",
                 "reward_timeouts")
+# The episodes' numbers (rollout/aggregate.py `episodes`), top-level so that the sinks plot them.
+EPISODE_KEYS = ("success_rate", "turns_mean", "generation_seconds", "env_wait_seconds", "env_seconds", "env_calls")
 
 
 def iteration_metrics(layout: RunLayout, *, newest_first: bool = False) -> Iterator[dict[str, Any]]:
@@ -73,6 +75,8 @@ def build(layout: RunLayout, job: JobLayout, *, run_id: str, iteration: int, num
         for k in ROLLOUT_KEYS:
             rec[f"train_{k}"] = train.get(k)
         rec["train_pass_at_k"] = train.get(f"pass_at_{train.get('group_size')}")
+        for k in EPISODE_KEYS:
+            rec[f"train_{k}"] = (train.get("episodes") or {}).get(k)
         rec["completion_length_mean"] = (train.get("completion_tokens") or {}).get("mean")
         rec["rollout_tokens_per_s"] = {r: v.get("tokens_per_s") for r, v in (train.get("per_rank") or {}).items()}
     if eval_done:

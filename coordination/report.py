@@ -8,6 +8,8 @@ Writes four PNGs and a short Markdown summary from the metrics records and the t
                  slow coordination is visible at a glance
   throughput.png rollout tokens/s per rank per iteration
   loss.png       training loss (and entropy) per iteration
+and, for a run with an environment, a table of its train episodes (success rate, turns per
+episode, and the rollout's seconds in generation, blocked on the environment, in environment calls).
 Reads only; writes only into --out (default <log-path>/report).
 """
 from __future__ import annotations
@@ -257,8 +259,34 @@ def summary_rows(metrics: list[dict]) -> list[dict[str, Any]]:
                      m["iteration"] - 1 if m.get("eval_accuracy") is not None else None,
                      "loss": m.get("loss"),
                      "rollout_s": work.get("01-train-rollout"), "eval_s": work.get("05-eval"),
-                     "train_s": work.get("10-train")})
+                     "train_s": work.get("10-train"), "success_rate": m.get("train_success_rate"),
+                     "turns_per_episode": m.get("train_turns_mean"), "env_calls": m.get("train_env_calls"),
+                     "generation_s": m.get("train_generation_seconds"),
+                     "env_wait_s": m.get("train_env_wait_seconds"), "env_s": m.get("train_env_seconds")})
     return rows
+
+
+# An environment's run also gets a table of its episodes: how many turns they took and where the
+# rollout's time went (engine calls, blocked on the environment, and the environment's own calls,
+# which overlap generation: their sum can exceed the rollout's wall time).
+EPISODE_COLUMNS = (("success rate", "success_rate", 3), ("turns / episode", "turns_per_episode", 2),
+                   ("generation s", "generation_s", 1), ("env wait s", "env_wait_s", 1),
+                   ("env calls s", "env_s", 1))
+
+
+def _has_env(rows: list[dict[str, Any]]) -> bool:
+    return any(r.get("env_calls") for r in rows)
+
+
+def episode_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The Markdown table of the episodes of an environment's run (none for single-turn tasks)."""
+    if not _has_env(rows):
+        return []
+    lines = ["| iteration | " + " | ".join(name for name, _, _ in EPISODE_COLUMNS) + " |",
+             "|---:" * (len(EPISODE_COLUMNS) + 1) + "|"]
+    lines += [f"| {r['iteration']} | " + " | ".join(_fmt(r[key], d) for _, key, d in EPISODE_COLUMNS) + " |"
+              for r in rows if r["turns_per_episode"] is not None]
+    return ["Train episodes (seconds summed over ranks; environment calls overlap generation):", "", *lines, ""]
 
 
 def write_summary(layout: RunLayout, metrics: list[dict], pngs: list[Path], out: Path) -> Path:
@@ -277,6 +305,7 @@ def write_summary(layout: RunLayout, metrics: list[dict], pngs: list[Path], out:
         lines.append(f"| {r['iteration']} | {_fmt(r['train_reward'])} | {ev} | {_fmt(r['loss'], 4)} | "
                      f"{_fmt(r['rollout_s'], 1)} | {_fmt(r['eval_s'], 1)} | {_fmt(r['train_s'], 1)} |")
     lines += ["", "Phase seconds are the slowest rank's working time in that phase.", ""]
+    lines += episode_lines(rows)
     lines += [f"![{p.stem}]({p.name})" for p in pngs]
     path = out / "summary.md"
     publish_bytes(path, ("\n".join(lines) + "\n").encode())
@@ -299,6 +328,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     if not console.is_terminal:  # a pipe or a log file: rich's 80 columns would cut the headers
         console = Console(width=120)
     console.print(t)
+    if _has_env(rows):
+        e = Table(title="train episodes (seconds summed over ranks; environment calls overlap generation)")
+        for name, _, _ in (("iteration", None, 0), *EPISODE_COLUMNS):
+            e.add_column(name, justify="right")
+        for r in rows:
+            if r["turns_per_episode"] is not None:
+                e.add_row(str(r["iteration"]), *(_fmt(r[key], d) for _, key, d in EPISODE_COLUMNS))
+        console.print(e)
     evals = [r for r in rows if r["eval_accuracy"] is not None]
     if len(evals) >= 2:
         a, b = evals[0], evals[-1]

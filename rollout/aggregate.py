@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -141,6 +141,17 @@ def _episode_stats(table: pa.Table, success_reward: float) -> dict[str, Any]:
             "terminations": {d["values"]: int(d["counts"]) for d in sorted(ended, key=lambda d: d["values"])}}
 
 
+def _time_split(manifests: Iterable[Manifest]) -> dict[str, float]:
+    """Rank-seconds of this iteration's rollout by what they waited for, summed over ranks (only
+    what the current processes generated: resumed groups were timed by their killed writer)."""
+    ms = list(manifests)
+    return {"generation_seconds": sum(m.generation_seconds for m in ms),
+            "env_wait_seconds": sum(m.env_wait_seconds for m in ms),
+            "env_seconds": sum(m.env_seconds for m in ms), "env_calls": sum(m.env_calls for m in ms),
+            "generated_turns": sum(m.generated_turns for m in ms),
+            "rollout_seconds": sum(m.seconds for m in ms)}
+
+
 def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manifests: Mapping[int, Manifest],
                   generations: Mapping[int, int], *, split: str, iteration: int, group_size: int,
                   success_reward: float) -> dict[str, Any]:
@@ -157,6 +168,10 @@ def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manife
             "resumed_tasks": m.resumed_tasks,
             "tokens_per_s": m.generated_tokens / m.seconds if m.seconds > 0 else 0.0,
             "samples_per_s": m.generated_samples / m.seconds if m.seconds > 0 else 0.0,
+            "generated_turns": m.generated_turns,
+            "turns_per_s": m.generated_turns / m.seconds if m.seconds > 0 else 0.0,
+            "generation_seconds": m.generation_seconds, "env_wait_seconds": m.env_wait_seconds,
+            "env_seconds": m.env_seconds, "env_calls": m.env_calls,
         }
     wall = max((m.seconds for m in manifests.values()), default=0.0)
     stats: dict[str, Any] = {
@@ -174,7 +189,7 @@ def compute_stats(table: pa.Table, counts: tuple[np.ndarray, np.ndarray], manife
         # Samples whose reward ran past tasks.reward_timeout (reward 0, not trained on).
         "reward_timeouts": int(pc.sum(pc.equal(table["finish_reason"], TIMED_OUT)).as_py() or 0)
         if table.num_rows else 0,
-        "episodes": _episode_stats(table, success_reward),
+        "episodes": {**_episode_stats(table, success_reward), **_time_split(manifests.values())},
         "wall_seconds": wall,
         "tokens_per_s": sum(m.generated_tokens for m in manifests.values()) / wall if wall > 0 else 0.0,
         "per_rank": per_rank,

@@ -111,6 +111,13 @@ class Manifest:
     generated_samples: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    # What this process's episodes did (rollout/episodes.py EpisodeTimes): turns sampled, wall
+    # seconds in engine calls and blocked on the environment, summed environment call seconds.
+    generated_turns: int = 0
+    generation_seconds: float = 0.0
+    env_wait_seconds: float = 0.0
+    env_seconds: float = 0.0
+    env_calls: int = 0
 
     @property
     def task_ids(self) -> list[str]:
@@ -135,7 +142,11 @@ class Manifest:
                        group_size=int(d["group_size"]), policy_iteration=int(d["policy_iteration"]), chunks=chunks,
                        samples=int(d["samples"]), completion_tokens=int(d["completion_tokens"]),
                        resumed_tasks=int(d.get("resumed_tasks", 0)), generated_samples=int(d.get("generated_samples", 0)),
-                       generated_tokens=int(d.get("generated_tokens", 0)), seconds=float(d.get("seconds", 0.0)))
+                       generated_tokens=int(d.get("generated_tokens", 0)), seconds=float(d.get("seconds", 0.0)),
+                       generated_turns=int(d.get("generated_turns", 0)),
+                       generation_seconds=float(d.get("generation_seconds", 0.0)),
+                       env_wait_seconds=float(d.get("env_wait_seconds", 0.0)),
+                       env_seconds=float(d.get("env_seconds", 0.0)), env_calls=int(d.get("env_calls", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise RolloutError(f"{rec.path}: not a valid rollout manifest ({exc!r}); remove it so the rank "
                                f"writes it again") from None

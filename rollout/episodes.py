@@ -83,6 +83,20 @@ class Episode:
 
 
 @dataclass
+class EpisodeTimes:
+    """Where one `run_episodes` call spent its time (docs/design.md §7): `generation_s` is wall
+    time inside engine calls, `env_wait_s` wall time blocked on environment answers with nothing
+    to sample, `env_s` the summed duration of environment calls (they overlap each other and
+    generation, so it can exceed the wall time); `turns` counts the policy turns sampled."""
+
+    generation_s: float = 0.0
+    env_wait_s: float = 0.0
+    env_s: float = 0.0
+    env_calls: int = 0
+    turns: int = 0
+
+
+@dataclass
 class EpisodeGroup:
     """The G episodes of one task (the GRPO group), in sample-index order."""
 
@@ -92,10 +106,14 @@ class EpisodeGroup:
 
 def run_episodes(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_size: int, sampling: Sampling, *,
                  reward_fn: RewardFn, env_factory: EnvFactory | None, bounds: Bounds,
-                 on_group: Callable[[EpisodeGroup], None], seed_of: Callable[[list[str]], int] | None = None) -> None:
+                 on_group: Callable[[EpisodeGroup], None],
+                 seed_of: Callable[[list[str]], int] | None = None) -> EpisodeTimes:
     """Run `group_size` episodes of each task to their end; hand each task's group to `on_group`
-    as soon as its last episode ends. `seed_of(keys)` seeds each engine call from its content."""
-    _Run(engine, tokenizer, group_size, sampling, reward_fn, env_factory, bounds, on_group, seed_of).run(tasks)
+    as soon as its last episode ends. `seed_of(keys)` seeds each engine call from its content.
+    Returns where the time went."""
+    run = _Run(engine, tokenizer, group_size, sampling, reward_fn, env_factory, bounds, on_group, seed_of)
+    run.run(tasks)
+    return run.times
 
 
 class _Run:
@@ -115,6 +133,8 @@ class _Run:
         self.groups: dict[str, list[Episode]] = {}
         self.open: dict[str, int] = {}
         self.closing: list[Future] = []
+        self.times = EpisodeTimes()
+        self.call_seconds: list[float] = []  # appended by the environment's threads (list.append is atomic)
 
     def run(self, tasks: Sequence[Task]) -> None:
         try:
@@ -137,6 +157,7 @@ class _Run:
                     self._collect(block=not self.ready)
         finally:
             self._close_all()
+            self.times.env_s, self.times.env_calls = float(sum(self.call_seconds)), len(self.call_seconds)
 
     # -- environment calls ---------------------------------------------------------------------
     def _open_env(self, ep: Episode) -> Any:
@@ -144,12 +165,21 @@ class _Run:
         return ep.env.reset()
 
     def _submit(self, ep: Episode, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        self.pending[self.calls.submit(fn, *args)] = (ep, what, time.monotonic() + self.bounds.step_timeout)
+        def timed(*a: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return fn(*a)
+            finally:
+                self.call_seconds.append(time.monotonic() - t0)
+
+        self.pending[self.calls.submit(timed, *args)] = (ep, what, time.monotonic() + self.bounds.step_timeout)
 
     def _collect(self, *, block: bool) -> None:
         if block:
             earliest = min(deadline for _, _, deadline in self.pending.values())
+            t0 = time.monotonic()
             wait(list(self.pending), timeout=max(0.0, earliest - time.monotonic()), return_when=FIRST_COMPLETED)
+            self.times.env_wait_s += time.monotonic() - t0
         now = time.monotonic()
         for fut, (ep, what, deadline) in list(self.pending.items()):
             if fut.done():
@@ -221,12 +251,15 @@ class _Run:
                     self._turn(ep, sample)
 
             prompts = [list(k) for k in keys]
+            t0 = time.monotonic()
             if self.engine.rolling:
                 # Each prompt's samples land as they finish, so single-turn groups reach their
                 # chunk while the rest of the window is still being sampled.
                 self.engine.generate(prompts, n, call, on_result=land)
+                self.times.generation_s += time.monotonic() - t0
                 continue
             results = self.engine.generate(prompts, n, call)
+            self.times.generation_s += time.monotonic() - t0
             if len(results) != len(prompts):
                 raise RolloutError(f"engine {self.engine.name} returned samples for {len(results)} of {len(prompts)} "
                                    f"prompts; the engine is broken")
@@ -250,6 +283,7 @@ class _Run:
         return ep.task.id if ep.turns == 0 else f"{ep.task.id}/{ep.index}/{ep.turns}"
 
     def _turn(self, ep: Episode, sample: Sample) -> None:
+        self.times.turns += 1
         ep.turn_starts.append(len(ep.ids))
         ep.ids += sample.token_ids
         ep.loss_mask += [1] * len(sample.token_ids)

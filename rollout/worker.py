@@ -238,6 +238,7 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
         def take(group: EpisodeGroup) -> None:
             nonlocal finished
             tokens = sum(sum(e.loss_mask) for e in group.episodes)
+            turns = sum(e.turns for e in group.episodes)
             failures.extend((group.task.id, e.index, e.termination, e.error) for e in group.episodes
                             if e.termination in FAILED)
             manifest.generated_samples += group_size
@@ -247,9 +248,11 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
             buffer.append(group)
             if len(buffer) >= cfg.chunk_groups or time.monotonic() - last_flush >= cfg.chunk_seconds:
                 flush()
-            bar.advance(1, samples=group_size, tokens=tokens)
+            bar.advance(1, episodes=group_size, turns=turns, tokens=tokens)
             finished += 1
-            report(finished, total, f"rolling out {finished}/{total} {split} tasks")
+            rates = bar.rates()
+            report(finished, total, f"rolling out {finished}/{total} {split} tasks, {rates['episodes/s']:.1f} "
+                                    f"episodes/s, {rates['turns/s']:.1f} turns/s")
 
         # A rolling engine (vLLM) takes every task at once and keeps its window of requests full to
         # the last one; an engine that batches in its own process gets prompts_per_call tasks a time.
@@ -258,9 +261,14 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
         per_call = len(todo) if engine.rolling else cfg.prompts_per_call
         for start in range(0, len(todo), max(per_call, 1)):
             batch = todo[start:start + per_call]
-            run_episodes(engine, tokenizer, batch, group_size, sampling, reward_fn=reward_fn,
-                         env_factory=sampler.env_factory, bounds=bounds_of(cfg), on_group=take,
-                         seed_of=lambda keys: call_seed(sampling.seed, split, iteration, keys))
+            times = run_episodes(engine, tokenizer, batch, group_size, sampling, reward_fn=reward_fn,
+                                 env_factory=sampler.env_factory, bounds=bounds_of(cfg), on_group=take,
+                                 seed_of=lambda keys: call_seed(sampling.seed, split, iteration, keys))
+            manifest.generated_turns += times.turns
+            manifest.generation_seconds += times.generation_s
+            manifest.env_wait_seconds += times.env_wait_s
+            manifest.env_seconds += times.env_s
+            manifest.env_calls += times.env_calls
         flush()
     check_env_errors(failures, total * group_size, cfg.max_env_error_rate, rank=rank, split=split, iteration=iteration)
     manifest.seconds = time.monotonic() - gen_t0

@@ -81,7 +81,9 @@ def rows(lay: RunLayout, it: int, split: str = "train"):
     return store.read_table(lay.rollout_all(split, it))
 
 
-def kill_and_restart(procs: Procs, name: str, cmd: list[str], when) -> None:
+def kill_and_restart(procs: Procs, name: str, cmd: list[str], when, before_restart=lambda: None) -> None:
+    """SIGKILL `name`'s process group once `when()` holds, run `before_restart()` (the killed
+    node's files as it left them), then start `cmd` again as `name`-again."""
     deadline = time.monotonic() + 300
     while not when():
         assert time.monotonic() < deadline, f"the moment to kill {name} never came:\n{procs.log(name)[-2000:]}"
@@ -89,6 +91,7 @@ def kill_and_restart(procs: Procs, name: str, cmd: list[str], when) -> None:
         time.sleep(0.05)
     procs.signal(name, signal.SIGKILL)
     procs.wait(name, 30)
+    before_restart()
     procs.start(f"{name}-again", cmd)
 
 

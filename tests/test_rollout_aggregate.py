@@ -40,9 +40,11 @@ def rows_for(task_id: str, rewards: list[float], *, rank: int, generation: int =
 
 
 def write_rank(layout: RunLayout, rank: int, groups: dict[str, list[float]], *, generation: int = 1,
-               split: str = "train", group_size: int = 2, seconds: float = 2.0, per_chunk: int = 2) -> list[str]:
-    """Chunks of `groups` (task id -> rewards) and a DONE listing them; returns the task ids."""
-    manifest = Manifest(split, 1, rank, group_size, 0, seconds=seconds)
+               split: str = "train", group_size: int = 2, seconds: float = 2.0, per_chunk: int = 2,
+               **times: float) -> list[str]:
+    """Chunks of `groups` (task id -> rewards) and a DONE listing them (with the episode `times`,
+    Manifest's fields); returns the task ids."""
+    manifest = Manifest(split, 1, rank, group_size, 0, seconds=seconds, **times)
     ids = list(groups)
     for seq, start in enumerate(range(0, len(ids), per_chunk)):
         part = ids[start:start + per_chunk]
@@ -254,9 +256,12 @@ def test_group_with_repeated_sample_index_is_an_error_naming_rank_and_done(tmp_p
         aggregate(layout, "train", 1, ranks={0: 1, 1: 1}, run_id=RUN_ID, group_size=2)
 
 
-def test_episode_stats_count_success_turns_and_terminations(tmp_path):
+def test_episode_stats_count_success_turns_terminations_and_the_time_split_of_every_rank(tmp_path):
     layout = RunLayout(tmp_path)
-    write_rank(layout, 0, {"a": [1.0, 0.0], "b": [0.0, 1.0]})
+    write_rank(layout, 0, {"a": [1.0, 0.0], "b": [0.0, 1.0]}, seconds=4.0, generated_turns=11,
+               generation_seconds=1.5, env_wait_seconds=2.0, env_seconds=6.25, env_calls=15)
+    write_rank(layout, 1, {"c": [0.0, 0.0]}, seconds=2.0, generated_turns=3, generation_seconds=0.5,
+               env_wait_seconds=1.25, env_seconds=2.0, env_calls=5)
     chunk = layout.rollout_chunk("train", 1, 0, 0, 1)
     table = store.read_table(chunk)
     rows = table.to_pylist()
@@ -264,6 +269,11 @@ def test_episode_stats_count_success_turns_and_terminations(tmp_path):
         row.update(turns=turns, termination=termination)
     chunk.unlink()
     write_chunk(chunk, rows, run_id=RUN_ID, generation=1)
-    stats = aggregate(layout, "train", 1, ranks={0: 1}, run_id=RUN_ID, group_size=2)
-    assert stats["episodes"] == {"success_rate": 0.5, "turns_mean": 11 / 4, "turns_max": 5,
-                                 "terminations": {"done": 2, "env_error": 1, "max_turns": 1}}
+    stats = aggregate(layout, "train", 1, ranks={0: 1, 1: 1}, run_id=RUN_ID, group_size=2)
+    # Rank 1's two one-turn episodes scored 0: 2 successes and 13 turns in 6 episodes.
+    assert stats["episodes"] == {"success_rate": 2 / 6, "turns_mean": 13 / 6, "turns_max": 5,
+                                 "terminations": {"done": 4, "env_error": 1, "max_turns": 1},
+                                 "generation_seconds": 2.0, "env_wait_seconds": 3.25, "env_seconds": 8.25,
+                                 "env_calls": 20, "generated_turns": 14, "rollout_seconds": 6.0}
+    assert (stats["per_rank"]["0"]["turns_per_s"], stats["per_rank"]["1"]["turns_per_s"]) == (11 / 4, 3 / 2)
+    assert stats["per_rank"]["1"]["env_wait_seconds"] == 1.25

@@ -180,11 +180,19 @@ def test_a_slow_environment_does_not_hold_up_the_other_episodes(engine):
 
     sampling = Sampling(max_new_tokens=4, temperature=1.0, seed=1)
     from rollout.episodes import run_episodes
-    run_episodes(engine, engine.tokenizer, [Task("slow", "1+1=", "2"), Task("fast", "2+2=", "4", extra={"turns": 3})],
-                 2, sampling, reward_fn=REWARD, env_factory=factory, bounds=Bounds(8, 256, 30.0),
-                 on_group=lambda g: order.append((g.task.id, Slow.returned.is_set())))
+    t0 = time.monotonic()
+    times = run_episodes(engine, engine.tokenizer, [Task("slow", "1+1=", "2"),
+                                                    Task("fast", "2+2=", "4", extra={"turns": 3})],
+                         2, sampling, reward_fn=REWARD, env_factory=factory, bounds=Bounds(8, 256, 30.0),
+                         on_group=lambda g: order.append((g.task.id, Slow.returned.is_set())))
+    wall = time.monotonic() - t0
     # The fast task's three turns were sampled while the slow one's first step was still running.
     assert order == [("fast", False), ("slow", True)]
+    # Where the time went: 2 x 1 + 2 x 3 turns; 4 resets and 8 steps timed, two of them 2 s steps
+    # that ran at once; engine calls and the wait for them are disjoint parts of the wall time.
+    assert (times.turns, times.env_calls) == (8, 12)
+    assert times.env_s >= 2 * 2.0 and times.generation_s > 0 and times.env_wait_s > 0
+    assert times.generation_s + times.env_wait_s <= wall
 
 
 def test_environment_steps_of_a_round_run_at_the_same_time(engine):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,7 +92,11 @@ def test_worker_writes_chunks_and_a_done_listing_every_group(engine, tmp_path):
     assert sorted(pairs) == sorted((t.id, j) for t in tasks for j in range(3))
     assert done.generation == 1 and done.data["tasks"] == 10 and done.data["group_size"] == 3
     assert len(fences) == 5 + 1                       # before every chunk and before DONE
-    assert progress[0][:2] == (0, 10) and progress[-1] == (10, 10, "rolling out 10/10 train tasks")
+    assert progress[0][:2] == (0, 10) and progress[-1][:2] == (10, 10)
+    # What `status` shows of the rank while it rolls out: its rates (one turn per single-turn episode).
+    episodes_s, turns_s = re.fullmatch(r"rolling out 10/10 train tasks, ([0-9.]+) episodes/s, ([0-9.]+) turns/s",
+                                       progress[-1][2]).groups()
+    assert float(episodes_s) == float(turns_s) > 0
     by_id = {t.id: t for t in tasks}
     for chunk in list_chunks(layout.rollout_rank_dir("train", 1, 0)):
         table = store.read_table(chunk.path)

@@ -167,6 +167,67 @@ def test_a_seed_reproduces_its_samples(engine, tokenizer):
     assert ids(a) == ids(b) and ids(a) != ids(c)
 
 
+class _Talk:
+    """Answers every turn with `again K` and a step reward of 0.25; done after the third turn."""
+
+    def __init__(self, task):
+        self.task, self.n = task, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.task["prompt"]}]
+
+    def step(self, text):
+        from rollout.envs import Step
+
+        self.n += 1
+        return Step([{"role": "user", "content": f"again {self.n}"}], 0.25, self.n >= 3)
+
+
+def test_multi_turn_episodes_are_token_exact_and_the_trainer_recomputes_their_sampling_logprobs(engine, models,
+                                                                                                tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout.episodes import Bounds
+    from rollout.prompts import ObservationTokens, chat_ids
+    from rollout.rewards import load_reward
+    from rollout.tasks import Task
+    from rollout.worker import roll_groups
+    from train.batches import collate
+    from train.loss import token_logprobs_and_entropy
+
+    tasks = [Task(f"t{i}", text, "0") for i, text in enumerate(PROMPTS)]
+    sampling = Sampling(max_new_tokens=8, temperature=TEMPERATURE, seed=21)
+    groups = roll_groups(engine, tokenizer, tasks, 3, sampling, load_reward("arithmetic"), env_factory=_Talk,
+                         bounds=Bounds(8, 200, 30.0))
+    episodes = [e for g in groups for e in g.episodes]
+    assert len(episodes) == 12
+    observation = ObservationTokens(tokenizer)
+    for e in episodes:
+        assert (e.termination, e.turns, e.reward) == ("done", 3, 0.75)
+        assert e.prompt_ids == chat_ids(tokenizer, [{"role": "user", "content": e.task.prompt}],
+                                        add_generation_prompt=True)
+        ends = e.turn_starts[1:] + [len(e.ids)]
+        for k, (start, end) in enumerate(zip(e.turn_starts, ends)):
+            obs = observation([{"role": "user", "content": f"again {k + 1}"}]) if k < 2 else []
+            turn = e.ids[start:end - len(obs)]
+            assert 1 <= len(turn) <= sampling.max_new_tokens and e.ids[end - len(obs):end] == obs
+            assert e.loss_mask[start:end] == [1] * len(turn) + [0] * len(obs)
+        # The sequence the trainer reads decodes to the conversation: first messages, then turns
+        # and observations in order.
+        assert tokenizer.decode(e.ids, skip_special_tokens=True) == e.text
+        assert e.text.count("user: again 1\nassistant: ") == 1 and "user: again 2\nassistant: " in e.text
+    model = AutoModelForCausalLM.from_pretrained(models["base"], dtype=torch.float32).eval()
+    batch = collate([{"prompt_ids": e.prompt_ids, "completion_ids": e.ids, "logprobs": e.logprobs,
+                      "loss_mask": e.loss_mask} for e in episodes], tokenizer.pad_token_id)
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        logp, _ = token_logprobs_and_entropy(hidden[:, :-1], model.lm_head, batch.targets, TEMPERATURE)
+    assert int(batch.loss_mask.sum()) == sum(sum(e.loss_mask) for e in episodes) > 12 * 3
+    worst = float(((logp - batch.old_logprobs).abs() * batch.loss_mask).max())
+    assert worst < TOLERANCE, f"largest difference of a policy token's logprob to the trainer's: {worst}"
+
+
 def test_checkpoint_with_optimizer_state_subfolder_serves_its_weights(engine, models, tokenizer, reference):
     assert sorted(p.name for p in (models["base"] / "optimizer").iterdir()) == [
         "exp_avg.safetensors", "exp_avg_sq.safetensors"]
