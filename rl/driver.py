@@ -37,6 +37,7 @@ from rl.serving import EngineLifecycle
 from rl.training import TrainerLifecycle
 from rollout.envs import load_env
 from rollout.rewards import load_reward
+from rollout.scoring import Scoring
 from train.benchmark import render_table
 
 log = logging.getLogger("baton.driver")
@@ -147,7 +148,7 @@ class RLJob:
         target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
                                generation=self.node.generation, policy_iteration=policy_it)
         sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group,
-                          load_env(self.cfg.tasks.env) if self.cfg.tasks.env else None)
+                          load_env(self.cfg.tasks.env) if self.cfg.tasks.env else None, Scoring.of(self.cfg.tasks))
         s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
                          fence=self.node.check_fence)
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),
