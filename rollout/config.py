@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordination.config import ConfigError, non_negative, option, positive
+from coordination.config import ConfigError, non_negative, option, positive, section
+from rollout.judge.config import JudgeConfig
 
 ENV_REWARDS = ("sum", "last", "none")  # tasks.env_reward
 
@@ -41,6 +42,8 @@ class TasksConfig:
         30.0, "seconds one reward call may take: a longer one at the start check refuses the run (exit 2); during a "
               "rollout it ends that sample (finish_reason reward_timeout, reward 0, counted in the rollout stats, "
               "its group not trained on). The call's thread cannot be stopped and runs on in the background")
+
+    judge: JudgeConfig = section(JudgeConfig, "an LLM judge scoring each episode (its 'judge' reward part)")
 
     def __post_init__(self) -> None:
         for key in ("train_file", "eval_file"):
