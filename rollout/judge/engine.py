@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from coordination import log
 from rollout import engines
 from rollout.engine import Engine, EngineError, Sampling
 from rollout.inference import InferenceConfig
@@ -21,6 +22,8 @@ from rollout.judge.config import JudgeConfig
 from rollout.judge.http import HttpBackend
 from rollout.judge.score import Failed, Judge
 from rollout.prompts import chat_ids
+
+_log = log.get("judge")
 
 
 def judge_inference(inference: InferenceConfig, cfg: JudgeConfig) -> InferenceConfig:
@@ -46,6 +49,7 @@ class EngineBackend:
 
     def close(self) -> None:
         self.engine.stop()
+        _log.info("judge engine %s stopped", self.engine.name)
 
 
 def open_judge(cfg: JudgeConfig, inference: InferenceConfig, *, rank: int, log_file: Path | None,
@@ -64,6 +68,7 @@ def open_judge(cfg: JudgeConfig, inference: InferenceConfig, *, rank: int, log_f
             from transformers import AutoTokenizer  # only a vLLM judge needs it here
 
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        _log.info("judge engine %s serves %s for this rollout phase", engine.name, cfg.model)
         return Judge(cfg, EngineBackend(engine, tokenizer, cfg))
     except BaseException:
         engine.stop()

@@ -15,8 +15,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
+from coordination import log
 from rollout.judge.config import JudgeConfig
 from rollout.rewards import as_number, last_number, normalise_math
+
+_log = log.get("judge")
 
 
 class JudgeError(ValueError):
@@ -119,3 +122,4 @@ class Judge:
 
     def close(self) -> None:
         self.backend.close()
+        _log.info("judge closed: %d answers asked for, %d episodes without a score", self.calls, self.failed)
