@@ -14,7 +14,7 @@ from rollout.config import TasksConfig
 from rollout.inference import InferenceConfig
 from rollout.judge.config import JudgeConfig
 from tests.procs import ROOT, env
-from tests.test_memory_plan import _cfg, _model
+from tests.test_memory_plan import _cfg, _dry_run, _model
 from train.memory_check import check_memory
 
 KEY = "sk-judge-test-0123"
@@ -77,3 +77,12 @@ def test_a_bad_reward_or_judge_setting_stops_the_command_with_exit_2(tmp_path, o
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert "sk-literal" not in res.stderr + res.stdout
     assert not (tmp_path / "l").exists()
+
+
+def test_a_dry_run_with_a_judge_key_that_is_not_there_exits_2_naming_it_and_writes_nothing(tmp_path):
+    res = _dry_run(tmp_path, "tasks.judge.template=rate {answer}", "tasks.judge.url=http://127.0.0.1:9/v1",
+                   "tasks.judge.model=judge", "tasks.judge.api_key=env:BATON_TEST_JUDGE_NOT_SET")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert ("tasks.judge.api_key=env:BATON_TEST_JUDGE_NOT_SET: environment variable BATON_TEST_JUDGE_NOT_SET is not "
+            "set (or empty) on this node; export it before scripts/run.sh") in " ".join(res.stderr.split())
+    assert not (tmp_path / "run").exists()
