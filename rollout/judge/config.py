@@ -95,7 +95,7 @@ class JudgeConfig:
                                   f"URL, e.g. http://127.0.0.1:8000/v1")
         if not self.enabled:
             return
-        if "trajectory" not in template_fields(self.template) and "answer" not in template_fields(self.template):
+        if not {"trajectory", "answer"} & set(template_fields(self.template)):
             raise ConfigError("judge.template names neither {trajectory} nor {answer}: the judge would never see the "
                               "episode; add one of them")
         if not self.model:

@@ -23,7 +23,7 @@ _log = log.get("judge")
 
 
 class JudgeError(ValueError):
-    """A judge that cannot be set up: a parser that does not load, a key that does not resolve."""
+    """`tasks.judge.parser` names a module or function that is not there."""
 
 
 @dataclass(frozen=True)
