@@ -36,7 +36,9 @@ from rl.runconfig import RunConfig
 from rl.serving import EngineLifecycle
 from rl.training import TrainerLifecycle
 from rollout.envs import load_env
+from rollout.judge.engine import open_judge
 from rollout.rewards import load_reward
+from rollout.scoring import Scoring
 from train.benchmark import render_table
 
 log = logging.getLogger("baton.driver")
@@ -146,10 +148,19 @@ class RLJob:
         sampling, group = sampling_for(self.cfg.rollout, split)
         target = RolloutTarget(self.layout, split, step.iteration, self.node.rank, run_id=self.node.run_id,
                                generation=self.node.generation, policy_iteration=policy_it)
-        sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group,
-                          load_env(self.cfg.tasks.env) if self.cfg.tasks.env else None)
-        s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
-                         fence=self.node.check_fence)
+        # The judge's engine (if any) lives for this phase only: it never holds memory while training runs.
+        judge = open_judge(self.cfg.tasks.judge, self.cfg.inference, rank=self.node.rank,
+                           log_file=self.node.job.log_file(self.node.rank, "judge"),
+                           start_timeout=self.cfg.coordination.child_start_timeout)
+        try:
+            sampler = Sampler(self.engines.engine, self.tokenizer(), self.cfg.rollout, self.reward(), sampling, group,
+                              load_env(self.cfg.tasks.env) if self.cfg.tasks.env else None,
+                              Scoring.of(self.cfg.tasks, judge))
+            s = rollout_rank(target, sampler, mine, on_progress=lambda done, total, msg: self.node.say(msg),
+                             fence=self.node.check_fence)
+        finally:
+            if judge is not None:
+                judge.close()
         return RolloutDone(tasks=s.tasks, samples=s.samples, tokens=s.completion_tokens, seconds=round(s.seconds, 3),
                            policy_iteration=policy_it).to_dict()
 

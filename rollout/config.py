@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordination.config import ConfigError, non_negative, option, positive
+from coordination.config import ConfigError, non_negative, option, positive, section
+from rollout.judge.config import JudgeConfig
+
+ENV_REWARDS = ("sum", "last", "none")  # tasks.env_reward
 
 
 @dataclass
@@ -25,11 +28,22 @@ class TasksConfig:
         "", "environment of multi-turn episodes (docs/design.md §7): '' = single-turn (the task's prompt, one "
             "completion, scored by `reward`); 'calculator', 'guess', or 'package.module:factory', a callable that "
             "takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
-            "reward, done). With an environment the episode's reward is the sum of its step rewards")
+            "reward, done). With an environment the episode's reward is made of the parts env_reward, "
+            "reward_with_env and judge choose (rollout/scoring.py)")
+    env_reward: str = option(
+        "sum", "with tasks.env: how the environment's step rewards become the episode's 'env' reward part: 'sum' "
+               "(of every reward a step gave), 'last' (the last reward a step gave; 0 if none did) or 'none' (the "
+               "environment's rewards are ignored, e.g. when a judge scores the episode)")
+    reward_with_env: bool = option(
+        False, "with tasks.env: also score each whole episode with `reward` (its 'reward' part): the function gets "
+               "the task, the text of the last policy turn, its finish_reason and, when it has a parameter named "
+               "'messages', the episode's messages (reset's, then each turn and observation)")
     reward_timeout: float = option(
         30.0, "seconds one reward call may take: a longer one at the start check refuses the run (exit 2); during a "
               "rollout it ends that sample (finish_reason reward_timeout, reward 0, counted in the rollout stats, "
               "its group not trained on). The call's thread cannot be stopped and runs on in the background")
+
+    judge: JudgeConfig = section(JudgeConfig, "an LLM judge scoring each episode (its 'judge' reward part)")
 
     def __post_init__(self) -> None:
         for key in ("train_file", "eval_file"):
@@ -42,6 +56,9 @@ class TasksConfig:
             raise ConfigError("reward must be 'arithmetic', 'math' or 'package.module:function' (got an empty string)")
         if self.reward not in ("arithmetic", "math") and ":" not in self.reward:
             raise ConfigError(f"reward={self.reward!r} is neither 'arithmetic', 'math' nor 'package.module:function'")
+        if self.env_reward not in ENV_REWARDS:
+            raise ConfigError(f"env_reward={self.env_reward!r} is not one of {', '.join(ENV_REWARDS)}: 'sum' adds the "
+                              f"environment's step rewards, 'last' keeps the last one, 'none' ignores them")
 
 
 @dataclass
@@ -73,7 +90,7 @@ class RolloutConfig:
               "(termination timeout) and the call is abandoned on its thread")
     max_env_error_rate: float = option(
         0.1, "a rank's rollout fails, quoting the first errors, when more than this fraction of its episodes of "
-             "an iteration ended with env_error or timeout; those episodes' groups are never trained on")
+             "an iteration ended with env_error, timeout or judge_error; those episodes' groups are never trained on")
     success_reward: float = option(
         1.0, "a sample counts as solved (pass@k, all-solved/none-solved groups) when its reward is at least this")
 

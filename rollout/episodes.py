@@ -7,14 +7,15 @@ then the template ids of the environment's answer (loss mask 0, logprob 0). The 
 sampled from those ids; the conversation's text is never tokenized again, so the trainer sees
 the very tokens the policy chose.
 
-A task without `tasks.env` is the one-turn case: its prompt is `encode_prompt` of the task, the
-first completion ends the episode and `tasks.reward` scores it. With an environment, the reward
-is the sum of its step rewards.
+A task without `tasks.env` is the one-turn case: its prompt is `encode_prompt` of the task and
+the first completion ends the episode. The reward is the sum of the parts rollout/scoring.py
+describes (the environment's step rewards, `tasks.reward`, the LLM judge).
 
 Scheduling: every episode waiting for the policy is sampled in one engine call per round (the
 G episodes of a task share their first prompt, so that call asks for G samples of it); the
 environment calls of the turns just sampled run on worker threads (rollout/envs/calls.py) while
-the next round samples the episodes whose environment has already answered.
+the next round samples the episodes whose environment has already answered. Episodes the judge
+scores wait for the end of the round and are judged together, in one batch.
 """
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ from rollout.engine import Engine, Sample, Sampling
 from rollout.envs import EnvError, EnvFactory, check_messages, check_step
 from rollout.envs.calls import EnvCalls
 from rollout.prompts import ObservationTokens, chat_ids, encode_prompt
-from rollout.rewards import TIMED_OUT, RewardFn, RewardTimeout
+from rollout.rewards import TIMED_OUT, CheckedReward, RewardFn, RewardTimeout
+from rollout.scoring import Scoring, env_part
 from rollout.tasks import Task
 
 _log = log.get("episodes")
 
-# An episode ends done, max_turns, max_tokens, env_error or timeout. The last two are its
-# environment's fault: no reward, and its group is not trained on.
-FAILED = ("env_error", "timeout")
+# An episode ends done, max_turns, max_tokens, env_error, timeout or judge_error. The last three
+# are its environment's or its judge's fault: no reward, and its group is not trained on.
+FAILED = ("env_error", "timeout", "judge_error")
 _CALLS = {"reset": "the factory or reset()", "step": "step()"}  # what an error names
 
 
@@ -62,7 +64,9 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)   # sampling logprob; 0 on context tokens
     turn_starts: list[int] = field(default_factory=list)  # offset in `ids` of each policy turn
     pieces: list[str] = field(default_factory=list)       # text of each turn and observation
-    reward_parts: list[float] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)  # the conversation, for rewards and judges
+    step_rewards: list[float] = field(default_factory=list)  # the rewards the environment's steps gave
+    reward_parts: dict[str, float] = field(default_factory=dict)  # rollout/scoring.py
     finish_reason: str = "length"
     termination: str = ""
     error: str = ""
@@ -106,12 +110,14 @@ class EpisodeGroup:
 
 def run_episodes(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_size: int, sampling: Sampling, *,
                  reward_fn: RewardFn, env_factory: EnvFactory | None, bounds: Bounds,
-                 on_group: Callable[[EpisodeGroup], None],
-                 seed_of: Callable[[list[str]], int] | None = None) -> EpisodeTimes:
+                 on_group: Callable[[EpisodeGroup], None], seed_of: Callable[[list[str]], int] | None = None,
+                 scoring: Scoring | None = None) -> EpisodeTimes:
     """Run `group_size` episodes of each task to their end; hand each task's group to `on_group`
-    as soon as its last episode ends. `seed_of(keys)` seeds each engine call from its content.
+    as soon as its last episode ends (and is judged). `seed_of(keys)` seeds each engine call from
+    its content; `scoring` chooses the reward's parts (default: env steps summed, no judge).
     Returns where the time went."""
-    run = _Run(engine, tokenizer, group_size, sampling, reward_fn, env_factory, bounds, on_group, seed_of)
+    run = _Run(engine, tokenizer, group_size, sampling, reward_fn, env_factory, bounds, on_group, seed_of,
+               scoring or Scoring())
     run.run(tasks)
     return run.times
 
@@ -119,8 +125,9 @@ def run_episodes(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_si
 class _Run:
     def __init__(self, engine: Engine, tokenizer: Any, group_size: int, sampling: Sampling, reward_fn: RewardFn,
                  env_factory: EnvFactory | None, bounds: Bounds, on_group: Callable[[EpisodeGroup], None],
-                 seed_of: Callable[[list[str]], int] | None):
+                 seed_of: Callable[[list[str]], int] | None, scoring: Scoring):
         self.engine, self.tokenizer, self.group_size, self.sampling = engine, tokenizer, group_size, sampling
+        self.scoring, self.judging = scoring, []
         self.reward_fn, self.factory, self.bounds, self.on_group = reward_fn, env_factory, bounds, on_group
         self.seed_of = seed_of or (lambda keys: sampling.seed)
         # A single-turn episode is one turn of max_new_tokens, its prompt checked against the
@@ -143,18 +150,22 @@ class _Run:
                 self.groups[task.id], self.open[task.id] = episodes, self.group_size
                 if self.factory is None:
                     prompt = encode_prompt(self.tokenizer, task)
+                    first = [dict(m) for m in task.messages] if task.messages else [
+                        {"role": "user", "content": task.prompt}]
                     for ep in episodes:
-                        ep.prompt_ids = list(prompt)
+                        ep.prompt_ids, ep.messages = list(prompt), [dict(m) for m in first]
                     self.ready.extend(episodes)
                 else:
                     for ep in episodes:
                         self._submit(ep, "reset", self._open_env, ep)
-            while self.ready or self.pending:
+            while self.ready or self.pending or self.judging:
                 if self.ready:
                     ready, self.ready = self.ready, []
                     self._generate(ready)
                 if self.pending:
                     self._collect(block=not self.ready)
+                if self.judging:
+                    self._judge()
         finally:
             self._close_all()
             self.times.env_s, self.times.env_calls = float(sum(self.call_seconds)), len(self.call_seconds)
@@ -205,6 +216,7 @@ class _Run:
         if not messages:
             return self._end(ep, "env_error", "reset() returned no messages; it must give the first messages")
         ep.prompt_ids = chat_ids(self.tokenizer, messages, add_generation_prompt=True)
+        ep.messages = list(messages)
         self.ready.append(ep)
 
     def _answered(self, ep: Episode, value: Any) -> None:
@@ -213,7 +225,7 @@ class _Run:
         except EnvError as exc:
             return self._end(ep, "env_error", str(exc))
         if step.reward is not None:
-            ep.reward_parts.append(step.reward)
+            ep.step_rewards.append(step.reward)
         if step.done:
             return self._end(ep, "done")
         if ep.turns >= self.bounds.max_turns:
@@ -223,6 +235,7 @@ class _Run:
         ep.loss_mask += [0] * len(ids)
         ep.logprobs += [0.0] * len(ids)
         ep.pieces.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        ep.messages += step.messages
         self.ready.append(ep)
 
     # -- generation ----------------------------------------------------------------------------
@@ -276,6 +289,8 @@ class _Run:
                 keep -= 1
             del ep.ids[keep:], ep.loss_mask[keep:], ep.logprobs[keep:]
             ep.pieces.pop()
+            while ep.messages and ep.messages[-1]["role"] != "assistant":
+                ep.messages.pop()
 
     @staticmethod
     def _seed_key(ep: Episode) -> str:
@@ -289,6 +304,7 @@ class _Run:
         ep.loss_mask += [1] * len(sample.token_ids)
         ep.logprobs += list(sample.logprobs)
         ep.pieces.append(sample.text)
+        ep.messages.append({"role": "assistant", "content": sample.text})
         ep.finish_reason = sample.finish_reason
         if self.factory is None:
             self._end(ep, "done")  # the one-turn case: the first completion is the whole episode
@@ -300,20 +316,47 @@ class _Run:
         ep.termination, ep.error = termination, error
         if error:
             _log.warning("episode %d of task %s ends (%s): %s", ep.index, ep.task.id, termination, error)
-        if termination in FAILED or ep.turns == 0:
-            ep.reward = 0.0
-        elif self.factory is not None:
-            ep.reward = float(sum(ep.reward_parts))
-        else:
+        if ep.env is not None and callable(getattr(ep.env, "close", None)):
+            self.closing.append(self.calls.submit(ep.env.close))
+        if termination not in FAILED and ep.turns:
+            self._score(ep)
+            if self.scoring.judge is not None and ep.finish_reason != TIMED_OUT:
+                self.judging.append(ep)  # handed on once judged, with the round's other episodes
+                return
+        self._handed(ep)
+
+    def _score(self, ep: Episode) -> None:
+        """The parts every episode gets at its end (rollout/scoring.py); the judge's comes later."""
+        if self.factory is not None:
+            env = env_part(ep.step_rewards, self.scoring.env_reward)
+            if env is not None:
+                ep.reward_parts["env"] = env
+        if self.factory is None or self.scoring.reward_with_env:
+            last = next((m["content"] for m in reversed(ep.messages) if m["role"] == "assistant"), ep.text)
             try:
-                ep.reward = self.reward_fn(ep.task, ep.text, ep.finish_reason)
+                # A CheckedReward hands the messages on to functions that take them (rollout/rewards.py).
+                extra = {"messages": ep.messages} if isinstance(self.reward_fn, CheckedReward) else {}
+                ep.reward_parts["reward"] = self.reward_fn(ep.task, last, ep.finish_reason, **extra)
             except RewardTimeout as exc:
                 # One hung call must not stall the rank: the sample ends here, with its reason in its
                 # row (counted by aggregation, its group kept out of training) and in the log.
                 _log.warning("sample %d of task %s ends without a reward: %s", ep.index, ep.task.id, exc)
-                ep.finish_reason, ep.reward = TIMED_OUT, 0.0
-        if ep.env is not None and callable(getattr(ep.env, "close", None)):
-            self.closing.append(self.calls.submit(ep.env.close))
+                ep.finish_reason, ep.reward_parts = TIMED_OUT, {}
+        ep.reward = float(sum(ep.reward_parts.values()))
+
+    def _judge(self) -> None:
+        episodes, self.judging = self.judging, []
+        verdicts = self.scoring.judge.score([(ep.task, ep.messages) for ep in episodes])
+        for ep, verdict in zip(episodes, verdicts):
+            if verdict.error:
+                ep.termination, ep.error, ep.reward, ep.reward_parts = "judge_error", verdict.error, 0.0, {}
+                _log.warning("episode %d of task %s ends (judge_error): %s", ep.index, ep.task.id, verdict.error)
+            else:
+                ep.reward_parts["judge"] = verdict.score
+                ep.reward = float(sum(ep.reward_parts.values()))
+            self._handed(ep)
+
+    def _handed(self, ep: Episode) -> None:
         self.open[ep.task.id] -= 1
         if self.open[ep.task.id] == 0:
             self.on_group(EpisodeGroup(ep.task, self.groups.pop(ep.task.id)))

@@ -14,6 +14,11 @@ start check refuses the reward (exit 2), and during a rollout the sample ends wi
 "reward_timeout" and reward 0, counted in the rollout's stats and logged with the reason; its
 group is not trained on.
 
+A function that also has a parameter named `messages` is called with `messages=` the whole
+episode as {"role", "content"} dicts: the first messages (the task's, or the environment's
+`reset()`), then each policy turn (role "assistant", its decoded text) and each observation.
+`completion_text` is then the text of the episode's last policy turn (rollout/scoring.py).
+
 `tasks.reward` chooses one:
 - "arithmetic": 1.0 iff the completion, stripped of surrounding whitespace, equals the answer
   (integers compare by value, so "+579" and "579" agree) AND finish_reason is "stop". Requiring
@@ -29,6 +34,7 @@ group is not trained on.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -192,12 +198,20 @@ class CheckedReward:
         # hand-off (16-63 us a call against 1.5-7 us direct on 2 shared cores, up to 0.5 s of an
         # 8192-sample iteration) buys nothing there.
         self._caller = None if BUILTIN.get(spec) is fn else BoundedCaller(f"reward {spec!r}", timeout)
+        self.takes_messages = _has_parameter(fn, "messages")
 
-    def __call__(self, task: Task | Mapping[str, Any], completion_text: str, finish_reason: str) -> float:
+    def __call__(self, task: Task | Mapping[str, Any], completion_text: str, finish_reason: str,
+                 messages: list[dict[str, str]] | None = None) -> float:
         task_id = task["id"]
+        args: tuple = (task, completion_text, finish_reason)
+        fn = self.fn
+        if self.takes_messages:
+            # A caller without an episode (SFT's eval, the start check) scored one completion of the task.
+            if messages is None:
+                messages = [{"role": "user", "content": task["prompt"]}, {"role": "assistant", "content": completion_text}]
+            fn = functools.partial(self.fn, messages=messages)
         try:
-            value = (self.fn(task, completion_text, finish_reason) if self._caller is None
-                     else self._caller(self.fn, task, completion_text, finish_reason))
+            value = fn(*args) if self._caller is None else self._caller(fn, *args)
         except CallTimedOut:
             raise RewardTimeout(f"reward {self.spec!r} did not return within {self.timeout:g} s "
                                 f"(tasks.reward_timeout) on task {task_id!r}") from None
@@ -211,6 +225,13 @@ class CheckedReward:
 
     def __repr__(self) -> str:
         return f"CheckedReward({self.spec!r})"
+
+
+def _has_parameter(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False  # builtins without a signature
 
 
 def load_reward(spec: str, timeout: float = REWARD_TIMEOUT) -> RewardFn:
@@ -241,10 +262,11 @@ def load_reward(spec: str, timeout: float = REWARD_TIMEOUT) -> RewardFn:
         raise RewardError(f"tasks.reward={spec!r}: {attr!r} is a {type(obj).__name__}, not a function; "
                           f"point at a function fn(task, completion_text, finish_reason) -> float")
     try:
-        inspect.signature(obj).bind(None, "", "")
+        inspect.signature(obj).bind(None, "", "", **({"messages": []} if _has_parameter(obj, "messages") else {}))
     except TypeError:
         raise RewardError(f"tasks.reward={spec!r}: {attr} cannot be called as fn(task, completion_text, "
-                          f"finish_reason); give it exactly those three parameters") from None
+                          f"finish_reason) or fn(task, completion_text, finish_reason, messages); give it exactly "
+                          f"those parameters") from None
     except ValueError:
         pass  # builtins without a signature: trust them
     return CheckedReward(spec, obj, timeout)

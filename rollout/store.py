@@ -25,9 +25,11 @@ SCHEMA = pa.schema([
     pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),    # 1 on the policy's tokens
     pa.field("turn_starts", pa.list_(pa.int32()), nullable=False),  # offset of each policy turn in completion_ids
     pa.field("turns", pa.int32(), nullable=False),
-    pa.field("termination", pa.string(), nullable=False),  # done, max_turns, max_tokens, env_error or timeout
-    pa.field("error", pa.string()),                        # why an env_error or timeout episode ended
-    pa.field("reward_parts", pa.list_(pa.float32()), nullable=False),  # the environment's step rewards
+    pa.field("termination", pa.string(), nullable=False),  # done, max_turns, max_tokens, env_error, timeout, judge_error
+    pa.field("error", pa.string()),                        # why an env_error, timeout or judge_error episode ended
+    pa.field("step_rewards", pa.list_(pa.float32()), nullable=False),  # the rewards the environment's steps gave
+    # The named parts whose sum is `reward` (rollout/scoring.py): "env", "reward", "judge".
+    pa.field("reward_parts", pa.list_(pa.struct([("name", pa.string()), ("value", pa.float32())])), nullable=False),
     pa.field("text", pa.string()),                         # decoded turns and observations
     pa.field("reward", pa.float32(), nullable=False),
     pa.field("finish_reason", pa.string()),                # of the last turn: "stop" (eos) or "length"
@@ -52,7 +54,7 @@ def one_turn(completion_tokens: int) -> dict[str, Any]:
     """The episode columns of a one-turn episode that ended `done` with `completion_tokens` sampled
     tokens: what a single-turn task's row carries (benchmarks and tests that write rows by hand)."""
     return {"loss_mask": [1] * completion_tokens, "turn_starts": [0], "turns": 1, "termination": "done",
-            "error": None, "reward_parts": []}
+            "error": None, "step_rewards": [], "reward_parts": []}
 
 
 def to_table(rows: Iterable[dict[str, Any]]) -> pa.Table:

@@ -33,6 +33,7 @@ from rollout.engines.transformers_engine import TransformersEngine
 from rollout.envs import EnvError, EnvFactory, load_env
 from rollout.episodes import FAILED, Bounds, EpisodeGroup, run_episodes
 from rollout.rewards import RewardFn, load_reward
+from rollout.scoring import Scoring
 from rollout.split import parse_rank_weights, rank_slice, sample_iteration
 from rollout.tasks import Task, load_tasks
 
@@ -68,11 +69,12 @@ def call_seed(base: int | None, split: str, iteration: int, task_ids: Sequence[s
 
 def roll_groups(engine: Engine, tokenizer: Any, tasks: Sequence[Task], group_size: int, sampling: Sampling,
                 reward_fn: RewardFn, *, env_factory: EnvFactory | None = None,
-                bounds: Bounds | None = None) -> list[EpisodeGroup]:
+                bounds: Bounds | None = None, scoring: Scoring | None = None) -> list[EpisodeGroup]:
     """`group_size` scored episodes of each task, in memory, in task order (eval without files)."""
     groups: dict[str, EpisodeGroup] = {}
     run_episodes(engine, tokenizer, tasks, group_size, sampling, reward_fn=reward_fn, env_factory=env_factory,
-                 bounds=bounds or bounds_of(RolloutConfig()), on_group=lambda g: groups.__setitem__(g.task.id, g))
+                 bounds=bounds or bounds_of(RolloutConfig()), on_group=lambda g: groups.__setitem__(g.task.id, g),
+                 scoring=scoring)
     return [groups[t.id] for t in tasks]
 
 
@@ -85,7 +87,8 @@ def _rows(group: EpisodeGroup, *, split: str, iteration: int, rank: int, generat
     return [{
         "task_id": group.task.id, "sample_index": e.index, "prompt": group.task.prompt, "prompt_ids": e.prompt_ids,
         "completion_ids": e.ids, "logprobs": e.logprobs, "loss_mask": e.loss_mask, "turn_starts": e.turn_starts,
-        "turns": e.turns, "termination": e.termination, "error": e.error or None, "reward_parts": e.reward_parts,
+        "turns": e.turns, "termination": e.termination, "error": e.error or None, "step_rewards": e.step_rewards,
+        "reward_parts": [{"name": k, "value": v} for k, v in e.reward_parts.items()],
         "text": e.text, "reward": e.reward, "finish_reason": e.finish_reason, "policy_iteration": policy_iteration,
         "iteration": iteration, "split": split, "rank": rank, "generation": generation,
     } for e in group.episodes]
@@ -134,13 +137,14 @@ def _failed(table: Any, task_ids: set[str]) -> list[tuple]:
 def check_env_errors(failures: list[tuple], episodes: int, max_rate: float, *, rank: int, split: str,
                      iteration: int) -> None:
     """Fail the rank's rollout when more than `max_rate` of its `episodes` ended for their
-    environment's fault, quoting the first errors: an environment that mostly fails is broken,
-    and training on what is left of it would hide that."""
+    environment's or their judge's fault, quoting the first errors: an environment or a judge that
+    mostly fails is broken, and training on what is left of it would hide that."""
     if episodes and len(failures) > max_rate * episodes:
         quoted = "; ".join(f"task {t} episode {i} ({term}): {err}" for t, i, term, err in failures[:3])
         raise RolloutError(f"rank {rank} {split} iter {iteration}: {len(failures)} of {episodes} episodes ended with "
-                           f"an environment error or timeout, more than rollout.max_env_error_rate={max_rate:g}; "
-                           f"first errors: {quoted}. Fix the environment (or raise rollout.max_env_error_rate)")
+                           f"an environment error, timeout or judge error, more than rollout.max_env_error_rate="
+                           f"{max_rate:g}; first errors: {quoted}. Fix the environment or the judge (or raise "
+                           f"rollout.max_env_error_rate)")
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,9 @@ class RolloutTarget:
 @dataclass(frozen=True)
 class Sampler:
     """How the episodes are made and scored: the engine and its tokenizer, the rollout config, the
-    reward, the split's sampling settings and group size (`sampling_for`), and the environment
-    factory of multi-turn episodes (None: single-turn tasks, scored by the reward)."""
+    reward, the split's sampling settings and group size (`sampling_for`), the environment
+    factory of multi-turn episodes (None: single-turn tasks) and the reward's parts and judge
+    (`scoring`, rollout/scoring.py; None: the environment's step rewards summed, no judge)."""
 
     engine: Engine
     tokenizer: Any
@@ -170,6 +175,7 @@ class Sampler:
     sampling: Sampling
     group_size: int
     env_factory: EnvFactory | None = None
+    scoring: Scoring | None = None
 
 
 def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task], *,
@@ -263,7 +269,8 @@ def rollout_rank(target: RolloutTarget, sampler: Sampler, tasks: Sequence[Task],
             batch = todo[start:start + per_call]
             times = run_episodes(engine, tokenizer, batch, group_size, sampling, reward_fn=reward_fn,
                                  env_factory=sampler.env_factory, bounds=bounds_of(cfg), on_group=take,
-                                 seed_of=lambda keys: call_seed(sampling.seed, split, iteration, keys))
+                                 seed_of=lambda keys: call_seed(sampling.seed, split, iteration, keys),
+                                 scoring=sampler.scoring)
             manifest.generated_turns += times.turns
             manifest.generation_seconds += times.generation_s
             manifest.env_wait_seconds += times.env_wait_s

@@ -44,6 +44,8 @@ LATE_IMPORTS = {
     "rollout/engines/__init__.py": "only the chosen engine's libraries load (torch for transformers, httpx for vLLM)",
     "rollout/engines/transformers_engine.py": "torch, transformers, peft and safetensors when the engine starts: "
                                               "the rollout worker and make_engine import the class without them",
+    "rollout/judge/engine.py": "transformers for a vLLM judge's tokenizer only: the driver imports this module, and "
+                               "dry runs and URL judges never load it",
     "train/batches.py": "torch only where tensors are built: the driver prepares batches without torch",
     "train/benchmark.py": "rl/run_cli imports it for its options: torch, numpy, rich and the torch-side train "
                           "modules load when a benchmark runs",

@@ -103,7 +103,8 @@ def test_an_episode_is_the_sampled_ids_between_template_ids_and_the_trainer_reco
     observation = ObservationTokens(tok)
     sampled = {tuple(s.token_ids) for s in recording.samples}
     for e in episodes:
-        assert (e.termination, e.turns, e.reward_parts, e.reward) == ("done", 3, [0.25] * 3, 0.75)
+        assert (e.termination, e.turns, e.step_rewards, e.reward_parts, e.reward) == (
+            "done", 3, [0.25] * 3, {"env": 0.75}, 0.75)
         assert e.prompt_ids == chat_ids(tok, [{"role": "user", "content": e.task.prompt}], add_generation_prompt=True)
         ends = e.turn_starts[1:] + [len(e.ids)]
         for k, (start, end) in enumerate(zip(e.turn_starts, ends)):
@@ -221,8 +222,8 @@ def test_the_rank_fails_above_the_error_rate_quoting_the_first_errors_and_record
         return rollout_rank(RolloutTarget(layout, "train", 1, 0, run_id="r", generation=1, policy_iteration=0),
                             Sampler(engine, engine.tokenizer, cfg, REWARD, sampling, group, factory), tasks(4))
 
-    with pytest.raises(RolloutError, match=r"2 of 8 episodes ended with an environment error or timeout, more than "
-                                           r"rollout.max_env_error_rate=0.2; first errors: task t0 episode 0 "
+    with pytest.raises(RolloutError, match=r"2 of 8 episodes ended with an environment error, timeout or judge "
+                                           r"error, more than rollout.max_env_error_rate=0.2; first errors: task t0 episode 0 "
                                            r"\(env_error\): step\(\) raised RuntimeError: the tool is broken"):
         run_rank(RunLayout(tmp_path / "strict"), 0.2)
     layout = RunLayout(tmp_path / "lenient")
@@ -246,7 +247,8 @@ def test_single_turn_rows_are_the_one_turn_case(engine, tmp_path):
     assert len(rows) == 6
     for r in rows:
         assert r["prompt_ids"] == engine.tokenizer(r["prompt"])["input_ids"]
-        assert (r["turns"], r["turn_starts"], r["termination"], r["reward_parts"]) == (1, [0], "done", [])
+        assert (r["turns"], r["turn_starts"], r["termination"], r["step_rewards"]) == (1, [0], "done", [])
+        assert r["reward_parts"] == [{"name": "reward", "value": r["reward"]}]
         assert r["loss_mask"] == [1] * len(r["completion_ids"]) and r["error"] is None
 
 

@@ -63,7 +63,8 @@ def row(task, s, reward, termination="done"):
     return {"task_id": task, "sample_index": s, "prompt": "p", "prompt_ids": ep["prompt_ids"],
             "completion_ids": ep["completion_ids"], "logprobs": ep["logprobs"], "loss_mask": ep["loss_mask"],
             "turn_starts": [0, 7 if s % 2 == 0 else 4], "turns": 2, "termination": termination,
-            "error": "boom" if termination == "env_error" else None, "reward_parts": [reward], "text": "x",
+            "error": "boom" if termination == "env_error" else None, "step_rewards": [reward],
+            "reward_parts": [{"name": "env", "value": reward}], "text": "x",
             "reward": reward, "finish_reason": "stop", "policy_iteration": 0, "iteration": 1, "split": "train",
             "rank": 0, "generation": 1}
 

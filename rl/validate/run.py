@@ -6,12 +6,13 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from coordination.config import ConfigError
+from coordination.config import ConfigError, resolve_secret
 from rl.model_inputs import check_model_inputs
 from rl.plan import job_plan
 from rl.validate import Failure, Rule, by_message, failures
 from rollout.inference import VLLM_LORA_RANKS
 from rollout.envs import EnvError, check_env
+from rollout.judge.score import JudgeError, load_parser
 from rollout.rewards import RewardError, check_reward
 from rollout.tasks import TaskFileError
 from train.config import check_ep_launch, check_world_size
@@ -131,6 +132,32 @@ def env_starts(r: RunInputs) -> str | None:
     return None
 
 
+def judge_ready(r: RunInputs) -> str | None:
+    """tasks.judge: its key resolves, its URL or model folder is there, its parser loads, and a vLLM
+    judge beside a vLLM policy on the same GPUs leaves them room."""
+    judge = r.cfg.tasks.judge
+    if not (judge.enabled and r.splits):
+        return None
+    if judge.url and judge.api_key:
+        problem = by_message(lambda: resolve_secret(judge.api_key, "tasks.judge.api_key"))
+        if problem:
+            return problem
+    if not judge.url and not Path(judge.model).is_dir():
+        return (f"tasks.judge.model={judge.model} is not a folder on this node; give the judge model's Hugging Face "
+                f"folder (every node serves it), or set tasks.judge.url to an OpenAI-compatible server")
+    try:
+        load_parser(judge.parser)
+    except JudgeError as exc:
+        return str(exc)
+    policy = r.cfg.inference
+    if (not judge.url and judge.engine == "vllm" and not policy.vllm.cpu and policy.engine == "vllm"
+            and policy.vllm.gpu_memory_utilization + judge.gpu_memory_utilization > 1):
+        return (f"inference.vllm.gpu_memory_utilization={policy.vllm.gpu_memory_utilization} and "
+                f"tasks.judge.gpu_memory_utilization={judge.gpu_memory_utilization} add up to more than the GPU; "
+                f"lower one of them so that the two vLLM servers fit together")
+    return None
+
+
 def enough_tasks(r: RunInputs) -> str | None:
     """tasks_per_iteration / eval_tasks fit the files (the sampler's own check)."""
     for split in r.splits:
@@ -176,6 +203,7 @@ RUN_RULES: tuple[Rule, ...] = (
     Rule("reward-scores", reward_scores, needs=("task-files",)),
     Rule("env-starts", env_starts, needs=("task-files",)),
     Rule("enough-tasks", enough_tasks, needs=("task-files",)),
+    Rule("judge-ready", judge_ready),
     Rule("secrets-resolve", secrets_resolve),
     Rule("model-fits-inputs", model_fits_inputs, needs=("model-path-given", "model-path-exists", "task-files")),
     Rule("memory-fits", memory_fits),
