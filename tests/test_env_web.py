@@ -97,6 +97,10 @@ def test_the_observation_is_the_page_text_with_numbered_links_and_only_those_lin
     assert env.step("no action here").messages[0]["content"].startswith("No action found.")
     section = env.step("open [1]").messages[0]["content"]
     assert section.startswith(f"Page: {site.url}/s0/index.html\n") and section.endswith("\n[4] Directory")
+    (site.out / "site" / "trap.html").write_text('<a href="file:///etc/hostname">secrets</a> <a href="s1/">on</a>')
+    trap = Web({"id": "t", "prompt": "?", "answer": "1", "url": f"{site.url}/trap.html"})
+    assert trap.reset()[0]["content"].endswith("\nLinks:\n[1] on")  # no link to this node's files
+    assert trap.step("open secrets").messages[0]["content"].startswith("No link 'secrets' on this page (links: [1] on)")
     lost = Web({"id": "t", "prompt": "?", "answer": "1", "url": f"{site.url}/nowhere.html"})
     # A status page is what a browser shows: an observation, not an environment error.
     assert lost.reset()[0]["content"].startswith(f"?\n{HOW}\n\nPage: {site.url}/nowhere.html\nHTTP status 404\n")

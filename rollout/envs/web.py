@@ -13,8 +13,9 @@ The observation is the page's text followed by its links, numbered:
 The policy acts with `open <number>` (or `open <link text>`) to follow a link of the current page,
 or `answer <text>` to end the episode: reward 1.0 when the text equals the task's answer
 (ignoring case and surrounding space and punctuation), else 0.0. A turn with neither action is
-answered with how to act (the turn is spent). Only links of the page shown can be opened, so a
-policy cannot send the environment to an address the site does not link.
+answered with how to act (the turn is spent). Only the http(s) links of the page shown can be
+opened, so a policy cannot send the environment to an address the site does not link, nor to a
+file of the node.
 
 Every request is bounded: `http_timeout` seconds (task field, default 10) for the connection and
 each read, and at most `max_page_bytes` (default 65536) of a page are read (the observation says
@@ -139,7 +140,9 @@ class Web:
         page = _Text()
         page.feed(body.decode("utf-8", errors="replace"))
         page.close()
-        self.links = [(text, urljoin(url, href)) for text, href in page.links]
+        # Only http(s) links are listed: a page linking file:// must not let the policy read this node's files.
+        links = [(text, urljoin(url, href)) for text, href in page.links]
+        self.links = [(text, target) for text, target in links if urlsplit(target).scheme in ("http", "https")]
         lines = [f"Page: {url}"]
         if status != 200:
             lines.append(f"HTTP status {status}")
