@@ -46,8 +46,7 @@ def test_the_readme_example_scores_a_walk_down_the_ladder(ladder):
     env = ladder(task())
     assert env.reset() == [{"role": "user", "content": "Change one letter at a time: warm -> cold."}]
     moved = env.step("worm ward")  # "worm" is one letter from "warm": taken; the rest is ignored
-    assert (moved.messages, moved.reward, moved.done) == ([{"role": "user", "content": "Now at worm."}], None,
-                                                                False)
+    assert (moved.messages, moved.reward, moved.done) == ([{"role": "user", "content": "Now at worm."}], None, False)
     assert env.step("cold").messages == [{"role": "user", "content": "'cold' is not one letter from worm."}]
     for word in ("word", "cord"):
         assert not env.step(word).done
