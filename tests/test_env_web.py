@@ -19,7 +19,7 @@ from coordination.procgroup import start_child
 from rollout import store
 from rollout.chunks import read_done
 from rollout.config import RolloutConfig
-from rollout.envs import load_env
+from rollout.envs import EnvError, check_env, load_env
 from rollout.envs.web import HOW, Web, WebError
 from rollout.rewards import load_reward
 from rollout.tasks import load_tasks
@@ -32,7 +32,7 @@ class Site:
     def __init__(self, out: Path):
         self.out = out
         self.child = start_child([sys.executable, "-m", "rollout.envs.web_site", "--out", out, "--sections", "2",
-                                  "--items", "3"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                  "--items", "4"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                  log_file=out / "server.log", what="web site")
         deadline = time.monotonic() + 30
         while not (out / "server.json").exists():
@@ -42,7 +42,7 @@ class Site:
                                      f"{self.child.poll()}):\n{(out / 'server.log').read_text()}")
             time.sleep(0.05)
         self.url = json.loads((out / "server.json").read_text())["url"]
-        self.tasks = load_tasks(out / "tasks.jsonl")
+        self.tasks, self.eval = load_tasks(out / "train.jsonl"), load_tasks(out / "eval.jsonl")
 
     def kill(self) -> None:
         self.child.stop(timeout=5)
@@ -77,8 +77,8 @@ def solve(env: Web, task) -> tuple[float, int]:
 
 def test_an_agent_that_follows_links_finds_every_fact_and_only_the_right_answer_is_rewarded(site):
     assert load_env("web") is Web
-    assert len(site.tasks) == 6
-    for task in site.tasks:
+    assert [len(site.tasks), len(site.eval)] == [6, 2]  # every fourth fact is an eval task
+    for task in site.tasks + site.eval:
         assert task["url"] == f"{site.url}/index.html"
         assert solve(Web(task), task)[0] == 1.0
     env = Web(site.tasks[0])
@@ -96,7 +96,7 @@ def test_the_observation_is_the_page_text_with_numbered_links_and_only_those_lin
     assert not step.done and step.messages[0]["content"].startswith("No link '3' on this page (links: [1] ")
     assert env.step("no action here").messages[0]["content"].startswith("No action found.")
     section = env.step("open [1]").messages[0]["content"]
-    assert section.startswith(f"Page: {site.url}/s0/index.html\n") and section.endswith("\n[4] Directory")
+    assert section.startswith(f"Page: {site.url}/s0/index.html\n") and section.endswith("\n[5] Directory")
     (site.out / "site" / "trap.html").write_text('<a href="file:///etc/hostname">secrets</a> <a href="s1/">on</a>')
     trap = Web({"id": "t", "prompt": "?", "answer": "1", "url": f"{site.url}/trap.html"})
     assert trap.reset()[0]["content"].endswith("\nLinks:\n[1] on")  # no link to this node's files
@@ -141,12 +141,16 @@ def test_a_task_the_environment_cannot_use_is_refused_naming_the_field(extra, sa
         Web({"id": "t", "prompt": "?", "answer": "1", **extra})
 
 
-def test_a_killed_server_ends_the_next_open_as_a_web_error_naming_the_url(site):
+def test_a_killed_server_ends_the_next_open_as_a_web_error_and_a_run_cannot_start_without_it(site):
     env = Web(site.tasks[0])
     env.reset()
+    assert check_env("web", site.tasks[0], timeout=10.0) is Web  # the start check's reset() with the server up
     site.kill()
     with pytest.raises(WebError, match=rf"cannot fetch {re.escape(site.url)}/s0/index.html: .*Connection refused"):
         env.step("open 1")
+    with pytest.raises(EnvError, match=rf"tasks.env='web' raised WebError: cannot fetch {re.escape(site.url)}"
+                                       r"/index.html: .*Connection refused.* when built and reset on task 'web-0'"):
+        check_env("web", site.tasks[0], timeout=10.0)
 
 
 @pytest.fixture(scope="module")

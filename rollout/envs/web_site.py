@@ -3,9 +3,9 @@
 `python -m rollout.envs.web_site --out DIR [--port 0]` writes a site of linked HTML pages under
 DIR/site: a directory page links to sections, each section to its items, and each item page
 states one fact ("The code of Alder Fen is 4821."). It then serves DIR/site over HTTP on
-127.0.0.1 (port 0: a free one), writes DIR/tasks.jsonl (one task per item: the question, the
-start URL, the answer; ready for `tasks.env: web`) and DIR/server.json (url, pid), prints the
-URL, and serves until SIGTERM/SIGINT. The answer is one hop from the start page only through
+127.0.0.1 (port 0: a free one), writes one task per item (the question, the start URL, the
+answer) into DIR/train.jsonl and, every fourth, DIR/eval.jsonl, so DIR is a `--data-path` for
+`tasks.env=web`, then DIR/server.json (url, pid), prints the URL and serves until SIGTERM/SIGINT. The answer is one hop from the start page only through
 the right section, so an agent finds it by following links. Everything is derived from --seed:
 the same seed writes the same site, whatever the port.
 """
@@ -44,9 +44,9 @@ def _links(items: list[tuple[str, str]]) -> str:
 
 def write_site(root: Path, *, sections: int = 3, items: int = 4, seed: int = 0) -> list[dict[str, str]]:
     """Write the pages under `root`; return one fact per item page: {"item", "path", "answer"}."""
-    if sections < 1 or items < 1:
-        raise ValueError(f"a site needs at least one section and one item per section (got sections={sections}, "
-                         f"items={items})")
+    if sections < 1 or items < 1 or sections * items < 4:
+        raise ValueError(f"a site needs sections x items >= 4 facts, so that train and eval both get tasks (got "
+                         f"sections={sections}, items={items})")
     rng, taken = random.Random(seed), set()
     facts: list[dict[str, str]] = []
     section_links = []
@@ -71,10 +71,12 @@ def write_site(root: Path, *, sections: int = 3, items: int = 4, seed: int = 0) 
     return facts
 
 
-def tasks_for(facts: list[dict[str, str]], base_url: str) -> list[dict[str, str]]:
-    """One `web` task per fact: start at the directory page, answer with the item's code."""
-    return [{"id": f"web-{n}", "prompt": f"What is the code of {f['item']}?", "url": f"{base_url}/index.html",
-             "answer": f["answer"]} for n, f in enumerate(facts)]
+def tasks_for(facts: list[dict[str, str]], base_url: str) -> dict[str, list[dict[str, str]]]:
+    """One `web` task per fact (start at the directory page, answer with the item's code), split
+    into train and eval: every fourth fact is an eval task."""
+    tasks = [{"id": f"web-{n}", "prompt": f"What is the code of {f['item']}?", "url": f"{base_url}/index.html",
+              "answer": f["answer"]} for n, f in enumerate(facts)]
+    return {"train": [t for n, t in enumerate(tasks) if n % 4 != 3], "eval": tasks[3::4]}
 
 
 class _Quiet(SimpleHTTPRequestHandler):
@@ -90,10 +92,11 @@ def serve(out: Path, *, host: str, port: int, sections: int, items: int, seed: i
     url = f"http://{host}:{server.server_address[1]}"
     # Tasks and server.json name the bound port, so they are written after the bind; server.json
     # last, by rename: a reader that sees it finds the tasks too and a server that answers.
-    (out / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks_for(facts, url)))
+    for split, tasks in tasks_for(facts, url).items():
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     (out / "server.json.tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
     os.replace(out / "server.json.tmp", out / "server.json")
-    print(f"serving {len(facts)} facts at {url}/index.html; tasks in {out / 'tasks.jsonl'}", flush=True)
+    print(f"serving {len(facts)} facts at {url}/index.html; tasks in {out}/train.jsonl and eval.jsonl", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.serve_forever()
@@ -105,17 +108,18 @@ def serve(out: Path, *, host: str, port: int, sections: int, items: int, seed: i
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rollout.envs.web_site", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for site/, tasks.jsonl and server.json")
+    parser.add_argument("--out", type=Path, required=True, help="folder for site/, train.jsonl, eval.jsonl and server.json")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: loopback only)")
     parser.add_argument("--port", type=int, default=0, help="port (0: a free one, written to server.json)")
     parser.add_argument("--sections", type=int, default=3)
     parser.add_argument("--items", type=int, default=4, help="items per section (one task each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.sections < 1 or args.items < 1:
-        parser.error(f"--sections and --items must be at least 1 (got {args.sections} and {args.items})")
     args.out.mkdir(parents=True, exist_ok=True)
-    serve(args.out, host=args.host, port=args.port, sections=args.sections, items=args.items, seed=args.seed)
+    try:
+        serve(args.out, host=args.host, port=args.port, sections=args.sections, items=args.items, seed=args.seed)
+    except ValueError as exc:
+        parser.error(f"{exc}; raise --sections or --items")
 
 
 if __name__ == "__main__":
