@@ -23,8 +23,8 @@ class TasksConfig:
                       "fn(task, completion_text, finish_reason) -> float (see rollout/rewards.py)")
     env: str = option(
         "", "environment of multi-turn episodes (docs/design.md §7): '' = single-turn (the task's prompt, one "
-            "completion, scored by `reward`); 'calculator', 'guess', or 'package.module:factory', a callable that "
-            "takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
+            "completion, scored by `reward`); 'calculator', 'guess', 'web', or 'package.module:factory', a callable "
+            "that takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
             "reward, done). With an environment the episode's reward is the sum of its step rewards")
     reward_timeout: float = option(
         30.0, "seconds one reward call may take: a longer one at the start check refuses the run (exit 2); during a "

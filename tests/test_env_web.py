@@ -184,8 +184,8 @@ def test_a_server_killed_mid_rollout_ends_the_later_episodes_as_env_error_and_th
     assert killed_after == [2] and summary.samples == 12
     manifest, _ = read_done(layout.rollout_done("train", 1, 0), run_id="r")
     assert sorted(t for c in manifest.chunks for t in c["task_ids"]) == sorted(t.id for t in site.tasks)
-    rows = {(r["task_id"], r["sample_index"]): r for c in sorted(layout.rollout_rank_dir("train", 1, 0).glob("*.parquet"))
-            for r in store.read_rows(c)}
+    chunks = sorted(layout.rollout_rank_dir("train", 1, 0).glob("*.parquet"))
+    rows = {(r["task_id"], r["sample_index"]): r for c in chunks for r in store.read_rows(c)}
     assert len(rows) == 12
     before = {t.id for t in site.tasks[:2]}
     for (task_id, _), r in rows.items():

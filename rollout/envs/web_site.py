@@ -5,9 +5,10 @@ DIR/site: a directory page links to sections, each section to its items, and eac
 states one fact ("The code of Alder Fen is 4821."). It then serves DIR/site over HTTP on
 127.0.0.1 (port 0: a free one), writes one task per item (the question, the start URL, the
 answer) into DIR/train.jsonl and, every fourth, DIR/eval.jsonl, so DIR is a `--data-path` for
-`tasks.env=web`, then DIR/server.json (url, pid), prints the URL and serves until SIGTERM/SIGINT. The answer is one hop from the start page only through
-the right section, so an agent finds it by following links. Everything is derived from --seed:
-the same seed writes the same site, whatever the port.
+`tasks.env=web`, then DIR/server.json (url, pid), prints the URL and serves until SIGTERM or
+SIGINT. A fact lies two links from the start page, through the right section, so an agent finds
+it by following links. Everything is derived from --seed: the same seed writes the same site,
+whatever the port.
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def serve(out: Path, *, host: str, port: int, sections: int, items: int, seed: i
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rollout.envs.web_site", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for site/, train.jsonl, eval.jsonl and server.json")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder for site/, train.jsonl, eval.jsonl and server.json")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: loopback only)")
     parser.add_argument("--port", type=int, default=0, help="port (0: a free one, written to server.json)")
     parser.add_argument("--sections", type=int, default=3)
