@@ -61,6 +61,7 @@ def _episodes(engine: TransformersEngine, *, episodes: int, turns: int, tokens: 
     busy0, calls0 = engine.stats.seconds, engine.stats.requests
     t0 = time.perf_counter()
     for start in range(0, episodes, concurrency):
+        # reward_fn is for single-turn tasks: an environment episode's reward is the sum of its steps'.
         run_episodes(engine, engine.tokenizer, tasks[start:start + concurrency], 1, sampling, reward_fn=None,
                      env_factory=Sleeper, bounds=Bounds(turns, 4 * turns * (tokens + 16) + 64, 30.0),
                      on_group=ended.append)

@@ -141,7 +141,7 @@ def bench_vllm(python: str | None, model_dir: Path | None, *, prompts: int, n: i
 @click.option("--prompts", default=64, show_default=True, help="prompts per engine call")
 @click.option("--n", default=8, show_default=True, help="samples per prompt")
 @click.option("--max-new-tokens", default=32, show_default=True)
-@click.option("--threads", type=int, help="torch threads of the transformers engine (default: torch's choice)")
+@click.option("--threads", type=int, help="torch threads of the transformers engine (default: torch's choice; 1 with --env)")
 @click.option("--ranks", default=8, show_default=True, help="ranks in the aggregation benchmark")
 @click.option("--samples-per-rank", default=100_000, show_default=True)
 @click.option("--env", "env", is_flag=True, help="instead: 64 environment episodes of 5 turns x 8 tokens, 200 ms "

@@ -58,19 +58,19 @@ def site(tmp_path):
         s.kill()
 
 
-def solve(env: Web, task) -> tuple[float, int]:
-    """Open sections until the item's link shows, open it, answer its code: (reward, turns)."""
+def solve(env: Web, task) -> float:
+    """Open sections until the item's link shows, open it, answer its code: the reward."""
     item = re.fullmatch(r"What is the code of (.+)\?", task.prompt).group(1)
     page = env.reset()[0]["content"]
     sections = len(re.findall(r"^\[\d+\] ", page, re.M))
-    for turn, k in enumerate(range(1, sections + 1), 1):
+    for k in range(1, sections + 1):
         page = env.step(f"open {k}").messages[0]["content"]
         if f"] {item}\n" in page + "\n":
             page = env.step(f"I will look.\nopen {item}").messages[0]["content"]  # by the link's text
             code = re.search(rf"The code of {item} is (\d+)\.", page).group(1)
             step = env.step(f"answer {code}.")
             assert step.done and step.messages == []
-            return step.reward, turn + 2
+            return step.reward
         env.step("open Directory")
     raise AssertionError(f"{item} is linked from no section:\n{page}")
 
@@ -80,7 +80,7 @@ def test_an_agent_that_follows_links_finds_every_fact_and_only_the_right_answer_
     assert [len(site.tasks), len(site.eval)] == [6, 2]  # every fourth fact is an eval task
     for task in site.tasks + site.eval:
         assert task["url"] == f"{site.url}/index.html"
-        assert solve(Web(task), task)[0] == 1.0
+        assert solve(Web(task), task) == 1.0
     env = Web(site.tasks[0])
     env.reset()
     assert env.step("answer 12345").reward == 0.0
