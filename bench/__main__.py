@@ -12,6 +12,8 @@ WHAT: dict[str, tuple[str, tuple[str, ...], str]] = {
     "coordination": ("bench.protocol", (), "the 14-phase table with no-op phases on N local processes: "
                      "the protocol's own cost per iteration and barrier"),
     "rollout": ("bench.rollout_speed", (), "aggregation of 8 ranks x 100,000 samples; samples/s of the engines"),
+    "env": ("bench.rollout_speed", ("--env",), "environment episodes (200 ms steps) at concurrency 1 and 32 "
+            "against the bound of generation and environment waits"),
     "vllm": ("bench.vllm_speed", (), "one vLLM server on CPU: start, samples/s, reload, stop"),
     "train": ("bench.train_steps", (), "tokens/s and peak memory of DDP and FSDP2 steps on 1 and 2 processes"),
     "levers": ("bench.train_steps", ("--levers",), "each memory/speed lever against the plain trainer"),

@@ -3,6 +3,7 @@
 (a) aggregation of 8 ranks x 100,000 synthetic samples (target <= 3 s);
 (b) samples/s and tokens/s of the transformers engine on the tiny model;
 (c) the same for vLLM on CPU when the vLLM tier is installed (`--vllm-python` or BATON_VLLM_PYTHON).
+`--env` (`--what env`) instead: environment episodes at concurrency 1 and 32 (bench/env_speed.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
+from bench.env_speed import run_env_bench
 from bench.vllm_speed import measure_vllm
 from coordination import log
 from coordination.layout import RunLayout
@@ -140,15 +142,32 @@ def bench_vllm(python: str | None, model_dir: Path | None, *, prompts: int, n: i
 @click.option("--prompts", default=64, show_default=True, help="prompts per engine call")
 @click.option("--n", default=8, show_default=True, help="samples per prompt")
 @click.option("--max-new-tokens", default=32, show_default=True)
-@click.option("--threads", type=int, help="torch threads of the transformers engine (default: torch's choice)")
+@click.option("--threads", type=int, help="torch threads of the transformers engine (default: torch's choice; 1 with --env)")
 @click.option("--ranks", default=8, show_default=True, help="ranks in the aggregation benchmark")
 @click.option("--samples-per-rank", default=100_000, show_default=True)
+@click.option("--env", "env", is_flag=True, help="instead: 64 environment episodes of 5 turns x 8 tokens, 200 ms "
+                                                 "steps, at concurrency 1 and 32 (bench/env_speed.py)")
 def main(as_json: bool, model_dir: Path | None, vllm_python: str | None, prompts: int, n: int, max_new_tokens: int,
-         threads: int | None, ranks: int, samples_per_rank: int) -> None:
-    """Measure aggregation and engine throughput."""
+         threads: int | None, ranks: int, samples_per_rank: int, env: bool) -> None:
+    """Measure aggregation and engine throughput, or with --env environment episodes."""
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     log.setup("bench")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if env:
+        report = run_env_bench(model_dir, threads=threads or 1)
+        if as_json:
+            click.echo(json.dumps(report, indent=1))
+            return
+        table = Table(title="environment episodes (64 x 5 turns x 8 tokens, 200 ms steps)")
+        for col in ("concurrency", "wall s", "episodes/s", "engine busy s", "engine calls"):
+            table.add_column(col)
+        for c in report["wall_s"]:
+            table.add_row(c, f"{report['wall_s'][c]:.2f}", f"{report['episodes_per_s'][c]:.2f}",
+                          f"{report['generation_busy_s'][c]:.2f}", str(report["engine_calls"][c]))
+        for target, met in report["targets"].items():
+            table.add_row(target, "met" if met else "MISSED", "", "", "")
+        Console().print(table)
+        return
     results = {
         "aggregate": bench_aggregate(ranks, samples_per_rank),
         "transformers": bench_transformers(model_dir, prompts=prompts, n=n, max_new_tokens=max_new_tokens,

@@ -26,8 +26,8 @@ class TasksConfig:
                       "fn(task, completion_text, finish_reason) -> float (see rollout/rewards.py)")
     env: str = option(
         "", "environment of multi-turn episodes (docs/design.md §7): '' = single-turn (the task's prompt, one "
-            "completion, scored by `reward`); 'calculator', 'guess', or 'package.module:factory', a callable that "
-            "takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
+            "completion, scored by `reward`); 'calculator', 'guess', 'web', or 'package.module:factory', a callable "
+            "that takes the task and returns an object with reset() -> messages and step(assistant_text) -> (messages, "
             "reward, done). With an environment the episode's reward is made of the parts env_reward, "
             "reward_with_env and judge choose (rollout/scoring.py)")
     env_reward: str = option(

@@ -21,7 +21,8 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-BUILTIN = {"calculator": "rollout.envs.calculator:Calculator", "guess": "rollout.envs.guess:Guess"}
+BUILTIN = {"calculator": "rollout.envs.calculator:Calculator", "guess": "rollout.envs.guess:Guess",
+           "web": "rollout.envs.web:Web"}
 
 
 class EnvError(ValueError):
