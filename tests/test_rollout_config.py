@@ -19,9 +19,9 @@ def test_defaults_match_the_driver_contract():
 
 @pytest.mark.parametrize("cls", [TasksConfig, RolloutConfig])
 def test_every_field_has_help_text(cls):
-    helps = field_help(cls)
-    assert set(helps) == {f.name for f in dataclasses.fields(cls)}
-    assert all(len(h) > 10 for h in helps.values())
+    helps = field_help(cls)   # a nested section's keys come dotted (tasks.judge.model), each with its own help
+    assert {k.split(".")[0] for k in helps} == {f.name for f in dataclasses.fields(cls)}
+    assert [k for k, h in helps.items() if len(h) <= 10] == []
 
 
 @pytest.mark.parametrize("cls, data, message", [
