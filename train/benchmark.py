@@ -146,7 +146,7 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
     for step in range(total):
         batches = [collate(_fake_rows(rng, vocab, seq_len, batch, algorithm), pad_id) for _ in range(micro)]
         m = train_step(t.model, t.params, t.optimizer, batches, lr=cfg.lr, global_completion_tokens=completion,
-                       settings=settings, info=info)
+                       settings=settings, info=info, router_loss=t.router_loss)
         if step < opts["bench_warmup_steps"]:
             if info.is_main:
                 _log.info("warm-up step %d/%d: %.2f s", step + 1, opts["bench_warmup_steps"], m.seconds)
@@ -162,7 +162,7 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
         before = resident_tensor_mb(t)
         _, above = peak_tensor_bytes(lambda: train_step(t.model, t.params, t.optimizer, batches, lr=cfg.lr,
                                                         global_completion_tokens=completion, settings=settings,
-                                                        info=info), info.device)
+                                                        info=info, router_loss=t.router_loss), info.device)
         profiled = {"tensors_before_mb": before, "peak_above_mb": above / 2**20, "peak_mb": before + above / 2**20}
 
     return {"kind": "baton-train-bench", "entry": entry, "model": str(opts.get("model") or "train.tiny default"),
