@@ -22,8 +22,8 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
                  "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
                  "tie_word_embeddings": False}
-# §10.5's third example by hand (GiB = 2^30 B): configs/gpu-example.yaml on 1 node of 8, ep=8,
-# vLLM tensor_parallel_size=2; h 2048, q 4096, kv 512, I_e 768, top-8 of E=128, L=48, V=151936.
+# docs/design.md §10.5's third example by hand (GiB = 2^30 B): configs/gpu-example.yaml on 1 node
+# of 8, ep=8, vLLM tensor_parallel_size=2; h 2048, q 4096, kv 512, I_e 768, top-8 of E=128, L=48, V=151936.
 #   block = attention 18,874,368 + experts X_l = 128 x 3 x 2048 x 768 = 603,979,776 + router
 #   262,144 + norms 4,096 = 623,120,384; root 2Vh + h = 622,331,904; P = 30,532,110,336;
 #   experts X = 48 X_l = 28,991,029,248; per rank (P - X)/8 + X/8 = P/8

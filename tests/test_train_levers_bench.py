@@ -15,7 +15,7 @@ STEP_KEYS = {"step", "loss", "mfu", "tokens_per_s", "step_time_s", "peak_memory_
 REPORT_KEYS = {"kind", "entry", "model", "parameters", "trained_parameters", "device", "device_name", "world_size",
                "dtype", "seq_len", "batch_size", "micro_batches", "tokens_per_step", "warmup_steps",
                "measured_steps", "flops_per_token", "peak_tflops", "memory_before_steps_mb", "config", "steps",
-               "mean", "std", "profiled_step"}
+               "mean", "std", "profiled_step", "expert_bytes", "expert_bytes_computing"}
 SMALL = ["--bench-warmup-steps", "1", "--bench-steps", "2", "--bench-seq-len", "32", "--bench-batch-size", "2"]
 
 
@@ -108,8 +108,12 @@ def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["lever"]: r for r in report["results"]}
-    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile"]
+    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile", "ep"]
     assert rows["plain"]["tokens_per_s_ratio"] == 1.0 and rows["plain"]["peak_memory_mb_ratio"] == 1.0
+    ep = rows.pop("ep")   # its ratios are to ep=1 on 2 processes
+    assert ep["expert_bytes_computing_per_rank_ratio"] == 0.5 and ep["expert_bytes_per_rank_ratio"] == 1.0
+    assert ep["tokens_per_s"] > 0 and ep["tokens_per_s_ratio"] == pytest.approx(
+        ep["tokens_per_s"] / ep["baseline_tokens_per_s"])
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
         assert r["peak_memory_mb"] == pytest.approx(r["resident_tensors_mb"] + r["step_allocations_mb"])

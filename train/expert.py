@@ -166,3 +166,12 @@ def expert_bytes(lm: nn.Module) -> int:
             local = t.to_local() if isinstance(t, DTensor) else t
             total += local.numel() * local.element_size()
     return total
+
+
+def expert_bytes_computing(lm: nn.Module) -> int:
+    """Bytes of one MoE layer's expert weights this rank holds while the layer runs: all of them
+    under FSDP2 alone (it all-gathers the layer's stacked experts for forward and backward), its
+    own E/ep under expert parallelism (nothing is gathered)."""
+    layers = [sum((t.to_local() if expert_writers(t) is not None else t).numel() * t.element_size()
+                  for t in (getattr(m, n) for n in EXPERT_TENSORS)) for m in expert_modules(lm)]
+    return max(layers, default=0)
