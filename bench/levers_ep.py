@@ -10,12 +10,13 @@ plain row, plus two expert byte counts of rank 0: `expert_bytes_per_rank`, what 
 steps (both halve the experts over 2 ranks: FSDP2 by rows of every expert tensor, ep=2 as whole
 experts; ratio 1), and `expert_bytes_computing_per_rank`, what it holds of one layer's experts
 while the layer runs: FSDP2 all-gathers all of them, ep=2 uses its own half and gathers none
-(ratio 0.5; the issue's <= 0.55).
+(ratio 0.5).
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,13 @@ def _run(model: Path, ep: int, tmp: Path, opts: dict[str, Any]) -> dict[str, Any
     child = start_child(cmd, env=env, log_file=log, what=f"levers bench, train.ep={ep} on {PROCESSES} processes")
     try:
         rc = child.wait(opts["timeout"])
-    except Exception:
-        child.stop()
-        raise
+    except subprocess.TimeoutExpired:
+        raise click.ClickException(f"train.ep={ep} on {PROCESSES} processes did not finish within "
+                                   f"{opts['timeout']:.0f} s (--timeout); see {log}") from None
+    finally:
+        if child.poll() is None:   # timed out or interrupted: the whole torchrun group goes
+            child.stop()
+    child.join_output()
     if rc != 0 or not out.exists():
         raise click.ClickException(f"train.ep={ep} on {PROCESSES} processes failed (exit {rc}); see {log}:\n"
                                    f"{log.read_text()[-3000:]}")
@@ -70,7 +75,8 @@ def run_ep_row(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
         profiled = report["profiled_step"]
         row.update({f"{name}tokens_per_s": report["mean"]["tokens_per_s"],
                     f"{name}step_time_s": report["mean"]["step_time_s"],
-                    f"{name}peak_memory_mb": profiled["peak_mb"], f"{name}resident_tensors_mb": profiled["tensors_before_mb"],
+                    f"{name}peak_memory_mb": profiled["peak_mb"],
+                    f"{name}resident_tensors_mb": profiled["tensors_before_mb"],
                     f"{name}step_allocations_mb": profiled["peak_above_mb"],
                     f"{name}peak_rss_mb": report["mean"]["peak_memory_mb"],
                     f"{name}expert_bytes_per_rank": report["expert_bytes"],
@@ -79,6 +85,6 @@ def run_ep_row(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
                 "expert_bytes_computing_per_rank"):
         row[f"{key}_ratio"] = row[key] / row[f"baseline_{key}"]
     echo(f"ep: {row['tokens_per_s']:,.0f} tokens/s (ep=1: {row['baseline_tokens_per_s']:,.0f}), a layer's expert "
-         f"bytes per rank while it runs x{row['expert_bytes_computing_per_rank_ratio']:.2f}, step peak {row['peak_memory_mb']:,.0f} MiB "
-         f"(ep=1: {row['baseline_peak_memory_mb']:,.0f})")
+         f"bytes per rank while it runs x{row['expert_bytes_computing_per_rank_ratio']:.2f}, step peak "
+         f"{row['peak_memory_mb']:,.0f} MiB (ep=1: {row['baseline_peak_memory_mb']:,.0f})")
     return row

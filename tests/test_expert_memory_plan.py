@@ -95,6 +95,7 @@ def test_dry_run_prints_the_trainer_mesh_with_ep_and_cp(tmp_path):
     (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
     res = subprocess.run([RUN, "--data-path", str(tmp_path), "--log-path", str(tmp_path / "l"), "--rl-phase", "update",
                           "--num-nodes", "2", "--rank-weights", "1,1", "--master", "--dry-run", f"model.path={model}",
-                          "train.ep=2", "train.nproc_per_node=2"], env=env(), capture_output=True, text=True, timeout=60)
+                          "train.ep=2", "train.nproc_per_node=2"],
+                         env=env(), capture_output=True, text=True, timeout=60)
     assert ("trainer mesh: 4 process(es); FSDP2 dp_replicate=1 x dp_shard=4; experts: ep_replicate=2 x ep=2 "
             "(each rank keeps 1/2 of every layer's experts, whole); cp=1") in res.stdout, res.stdout + res.stderr

@@ -44,4 +44,5 @@ def check_targets_matched(cfg: LoRAConfig, targeted: list[str], linear_names: se
         raise ConfigError(
             f"train.lora.target_modules names {', '.join(unmatched)}, which no layer of {model} has (a "
             f"mixture-of-experts block holds its experts as stacked tensors, which LoRA does not adapt); "
-            f"its linear layers are {', '.join(sorted(linear_names))}: remove the others from train.lora.target_modules")
+            f"its linear layers are {', '.join(sorted(linear_names))}: remove the others from "
+            f"train.lora.target_modules")

@@ -118,7 +118,8 @@ def train_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.op
                 aux = router_loss.take(mb.attention_mask)
                 aux_sum += float(aux.value)
                 if router_loss.coef:
-                    total_loss = total_loss + aux.local_share * (router_loss.coef * info.world_size / len(micro_batches))
+                    share = router_loss.coef * info.world_size / len(micro_batches)
+                    total_loss = total_loss + aux.local_share * share
             total_loss.backward()
         sums["loss"] += float(parts.loss.detach())
         sums["clipped"] += parts.clipped
@@ -141,8 +142,8 @@ def train_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.op
     # Every rank holds the same global aux values: no reduction.
     aux_loss = aux_sum / len(micro_batches)
     coef = router_loss.coef if router_loss is not None else 0.0
-    return StepMetrics(loss=total["loss"] / n + coef * aux_loss, entropy=total["entropy"] / n, clip_fraction=total["clipped"] / n,
-                       kl=total["kl"] / n, grad_norm=grad_norm, lr=lr, tokens=int(total["tokens"]),
-                       completion_tokens=int(total["completion_tokens"]), seconds=seconds,
+    return StepMetrics(loss=total["loss"] / n + coef * aux_loss, entropy=total["entropy"] / n,
+                       clip_fraction=total["clipped"] / n, kl=total["kl"] / n, grad_norm=grad_norm, lr=lr,
+                       tokens=int(total["tokens"]), completion_tokens=int(total["completion_tokens"]), seconds=seconds,
                        tokens_per_s=total["tokens"] / max(seconds, 1e-9), peak_memory_mb=peak,
                        local_peak_memory_mb=local_peak, aux_loss=aux_loss)
