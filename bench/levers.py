@@ -3,7 +3,8 @@
 A small Llama (about 40M parameters by default: hidden 512, 8 layers, vocabulary 32,000) trains
 on fake 1,024-token sequences through `python -m train.trainer --bench`, once per configuration,
 each in a fresh process: plain (all logits at once), ac (every block checkpointed),
-ac_offloading, chunked logprobs, LoRA (rank 16 on every projection) and torch.compile. Reported
+ac_offloading, chunked logprobs, LoRA (rank 16 on every projection) and torch.compile; then `ep`,
+the tiny MoE at train.ep=2 against ep=1 on 2 processes (bench/levers_ep.py). Reported
 per configuration, and as a ratio to plain from the same run:
 
 - tokens/s: mean over the measured steps (after warm-up, which includes compilation);
@@ -31,6 +32,8 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+
+from bench.levers_ep import run_ep_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,6 +100,7 @@ def run_levers(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
     for r in rows:
         for key in ("tokens_per_s", "peak_memory_mb", "step_allocations_mb", "peak_rss_mb"):
             r[f"{key}_ratio"] = r[key] / plain[key]
+    rows.append(run_ep_row(opts, tmp, echo))  # its ratios are to ep=1 on 2 processes (bench/levers_ep.py)
     return {"model": {"parameters": params, "hidden": opts["hidden"], "layers": opts["layers"], "vocab": opts["vocab"]},
             "seq_len": opts["seq_len"], "batch_size": opts["batch_size"], "warmup_steps": opts["warmup_steps"],
             "measured_steps": opts["steps"], "threads_per_process": opts["threads"], "device": "cpu",

@@ -89,7 +89,7 @@ def build(layout: RunLayout, job: JobLayout, *, run_id: str, iteration: int, num
         results = training_results(layout, iteration, train_attempt, run_id)
         rec["training"] = {"attempt": train_attempt, "ranks": results}
         summary = (results.get("0") or {}).get("summary") or {}
-        for key in ("loss", "entropy", "grad_norm", "clip_fraction", "kl", "lr", "steps"):
+        for key in ("loss", "entropy", "grad_norm", "clip_fraction", "kl", "aux_loss", "lr", "steps"):
             rec[key] = summary.get(key)
         rec["trainer_tokens_per_s"] = {r: (d.get("summary") or {}).get("tokens_per_s") for r, d in results.items()}
         rec["trainer_peak_memory_mb"] = {r: (d.get("summary") or {}).get("peak_memory_mb") for r, d in results.items()}

@@ -28,6 +28,7 @@ from rollout.engines.vllm_server import build_server
 from rollout.inference import resolve_dtype
 from train.checkpoint_size import checkpoint_size, format_checkpoint_size
 from train.memory_plan import engine_on_gpu, format_plan, gpu_visible, make_plan as make_memory_plan
+from train.mesh_layout import mesh_line
 from train.model_shape import ModelShape
 
 
@@ -142,6 +143,7 @@ def dry_run(args, cfg, problems: list) -> int:
                                 is_host=args.is_master, local_addr=addr if args.is_master else "THIS_NODE_ADDR")
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
+        echo(f"    {mesh_line(cfg.train, args.num_nodes * cfg.train.nproc_per_node)}")
         echo("    (PORT and the rendezvous id are chosen by the master and sent in a GO: phase 0's for a resident "
                  "trainer's first launch, else phase 9's)")
         if plan.resident_trainer:

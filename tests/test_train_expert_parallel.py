@@ -40,7 +40,7 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
     from train.build import load_model, make_trainable
     from train.config import TrainConfig
     from train.distributed import init_distributed, shutdown
-    from train.expert import expert_bytes
+    from train.expert import expert_bytes, expert_bytes_computing
 
     info = init_distributed(120.0)
     results = {}
@@ -56,6 +56,7 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
             save_file({"logp": logp.contiguous(), "mask": mb.loss_mask.contiguous()},
                       str(out / f"{name}-logp-{info.rank}.safetensors"))
             (out / f"{name}-expert-bytes-{info.rank}").write_text(str(expert_bytes(t.policy.lm)))
+            (out / f"{name}-expert-bytes-computing-{info.rank}").write_text(str(expert_bytes_computing(t.policy.lm)))
             results[name] = two_steps_saved(t, cfg, info, rows, mb, out / f"{name}.safetensors")
             if name == "ep2":
                 results[f"offload-{info.rank}"] = _offload_round_trip(t, info.device)
@@ -174,6 +175,10 @@ def test_ep2_holds_half_of_the_expert_bytes_on_each_rank(launched):
     assert per_rank == [whole // 2, whole // 2]
     # 2 layers x 4 experts x (gate_up [384, 128] + down [128, 192]) float32 values (experts 384 / top-2 wide)
     assert whole == 2 * 4 * (384 * 128 + 128 * 192) * 4
+    # While a layer runs: FSDP2 (ep=1) has gathered all of its experts, ep=2 holds its own two.
+    computing = {name: [int((out / f"{name}-expert-bytes-computing-{r}").read_text()) for r in range(2)]
+                 for name in CASES}
+    assert computing == {"ep1": [whole // 2] * 2, "ep2": [whole // 4] * 2}
 
 
 if __name__ == "__main__":

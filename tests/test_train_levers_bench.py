@@ -15,7 +15,7 @@ STEP_KEYS = {"step", "loss", "mfu", "tokens_per_s", "step_time_s", "peak_memory_
 REPORT_KEYS = {"kind", "entry", "model", "parameters", "trained_parameters", "device", "device_name", "world_size",
                "dtype", "seq_len", "batch_size", "micro_batches", "tokens_per_step", "warmup_steps",
                "measured_steps", "flops_per_token", "peak_tflops", "memory_before_steps_mb", "config", "steps",
-               "mean", "std", "profiled_step"}
+               "mean", "std", "profiled_step", "expert_bytes", "expert_bytes_computing"}
 SMALL = ["--bench-warmup-steps", "1", "--bench-steps", "2", "--bench-seq-len", "32", "--bench-batch-size", "2"]
 
 
@@ -98,6 +98,25 @@ def test_bench_under_torchrun_uses_hsdp_over_two_processes(tmp_path):
     assert "HSDP 2x1" in ts.logs_text(tmp_path / "logs")
 
 
+def _planned_moe_peak_mb(tmp_path: Path, ep: int) -> float:
+    """train/trainer_memory.py's peak for the levers bench's ep row (float32 on CPU, 2 processes),
+    less the fixed CUDA context and allocator terms a CPU process does not have."""
+    from dataclasses import replace
+
+    from bench.levers_ep import BATCH, EXPERTS, SEQ_LEN, TOP_K
+    from train.config import TrainConfig
+    from train.model_shape import GIB, ModelShape
+    from train.trainer_memory import TRAINER_OVERHEAD_GIB, trainer_memory
+
+    model = tmp_path / "plan-moe"
+    if not model.exists():
+        ts.make_tiny(model, experts=EXPERTS, top_k=TOP_K, max_positions=SEQ_LEN)
+    train = replace(TrainConfig(), dtype="float32", micro_batch_tokens=SEQ_LEN * BATCH, ep=ep,
+                    fused_lm_head_token_chunk_size="disabled")
+    memory = trainer_memory(ModelShape.from_model_dir(model), train, 2, on_gpu=False)
+    return (memory.peak - TRAINER_OVERHEAD_GIB * GIB) / 2**20
+
+
 @pytest.mark.slow
 def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     import subprocess
@@ -108,8 +127,15 @@ def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["lever"]: r for r in report["results"]}
-    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile"]
+    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile", "ep"]
     assert rows["plain"]["tokens_per_s_ratio"] == 1.0 and rows["plain"]["peak_memory_mb_ratio"] == 1.0
+    ep = rows.pop("ep")   # its ratios are to ep=1 on 2 processes
+    assert ep["expert_bytes_computing_per_rank_ratio"] == 0.5 and ep["expert_bytes_per_rank_ratio"] == 1.0
+    assert ep["tokens_per_s"] > 0 and ep["tokens_per_s_ratio"] == pytest.approx(
+        ep["tokens_per_s"] / ep["baseline_tokens_per_s"])
+    # The memory plan's step peak (without its fixed CUDA terms) against the profiled one, within 15%.
+    for key, ep_degree in (("peak_memory_mb", 2), ("baseline_peak_memory_mb", 1)):
+        assert _planned_moe_peak_mb(tmp_path, ep_degree) == pytest.approx(ep[key], rel=0.15), key
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
         assert r["peak_memory_mb"] == pytest.approx(r["resident_tensors_mb"] + r["step_allocations_mb"])

@@ -74,11 +74,12 @@ def two_steps_saved(t, cfg, info, rows: list[dict], mb, path: Path) -> dict:
     total = sum(len(r["completion_ids"]) for r in rows)
     settings = StepSettings(algorithm="grpo", backend=cfg.backend, dtype=t.dtype)
     steps = [train_step(t.model, t.params, t.optimizer, [mb], global_completion_tokens=total, lr=cfg.lr,
-                        settings=settings, info=info) for _ in range(2)]
+                        settings=settings, info=info, router_loss=t.router_loss) for _ in range(2)]
     weights = full_state_dict(t.policy)
     if info.is_main:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(path))
-    return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps]}
+    return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
+            "aux_loss": [s.aux_loss for s in steps]}
 
 
 def worker(model: Path, out: Path, group: str) -> None:

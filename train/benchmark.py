@@ -23,6 +23,8 @@ final row gives mean ± std. `--bench-output-json PATH` writes (keys):
     profiled_step (with --bench-profile-memory, else null): {tensors_before_mb (parameters, buffers,
     gradients, optimizer state), peak_above_mb (the step's peak tensor memory beyond those),
     peak_mb (their sum)}
+    expert_bytes: bytes of expert weights rank 0 holds (its shards; 0 for a dense model),
+    expert_bytes_computing: of one MoE layer while it runs (FSDP2 gathers all its experts, train.ep not)
 
 MFU is a fraction (train/mfu.py); null when the peak is unknown (CPUs, unlisted GPUs) unless
 `--bench-peak-tflops` gives it. Peak memory is the step's peak allocated memory on CUDA and the
@@ -120,6 +122,7 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
     from train.batches import collate
     from train.build import load_model, make_trainable, preflight
     from train.distributed import agreed
+    from train.expert import expert_bytes, expert_bytes_computing
     from train.memory import peak_tensor_bytes, rss_mb
     from train.mfu import device_peak_tflops, flops_per_token, mfu
     from train.step import StepSettings, train_step
@@ -146,7 +149,7 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
     for step in range(total):
         batches = [collate(_fake_rows(rng, vocab, seq_len, batch, algorithm), pad_id) for _ in range(micro)]
         m = train_step(t.model, t.params, t.optimizer, batches, lr=cfg.lr, global_completion_tokens=completion,
-                       settings=settings, info=info)
+                       settings=settings, info=info, router_loss=t.router_loss)
         if step < opts["bench_warmup_steps"]:
             if info.is_main:
                 _log.info("warm-up step %d/%d: %.2f s", step + 1, opts["bench_warmup_steps"], m.seconds)
@@ -162,7 +165,7 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
         before = resident_tensor_mb(t)
         _, above = peak_tensor_bytes(lambda: train_step(t.model, t.params, t.optimizer, batches, lr=cfg.lr,
                                                         global_completion_tokens=completion, settings=settings,
-                                                        info=info), info.device)
+                                                        info=info, router_loss=t.router_loss), info.device)
         profiled = {"tensors_before_mb": before, "peak_above_mb": above / 2**20, "peak_mb": before + above / 2**20}
 
     return {"kind": "baton-train-bench", "entry": entry, "model": str(opts.get("model") or "train.tiny default"),
@@ -174,7 +177,8 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
             "flops_per_token": flops_token, "peak_tflops": peak, "memory_before_steps_mb": memory_before,
             "config": to_dict(cfg), "steps": rows,
             "mean": {k: stats[k][0] for k in keys}, "std": {k: stats[k][1] for k in keys},
-            "profiled_step": profiled}
+            "profiled_step": profiled, "expert_bytes": expert_bytes(t.policy.lm),
+            "expert_bytes_computing": expert_bytes_computing(t.policy.lm)}
 
 
 def resident_tensor_mb(t) -> float:

@@ -30,6 +30,7 @@ from train.model import Policy, compute_dtype, decoder_blocks, load_causal_lm, t
 from train.offload import ActivationOffload, OptimizerStateOffload
 from train.optim import build_optimizer
 from train.parallel import apply_parallelism
+from train.router_loss import RouterLoss
 from train.sharded import build_on_meta, can_load_sharded, materialize, missing_names
 
 _log = logging.getLogger("baton.train.build")
@@ -116,6 +117,7 @@ class Trainable:
     checkpointed_blocks: int
     activation_offload: ActivationOffload | None
     optimizer_offload: OptimizerStateOffload | None
+    router_loss: RouterLoss | None = None  # an MoE model's load-balancing loss, when its config asks for it
 
 
 def compile_blocks(blocks: list[nn.Module], cfg: CompileConfig) -> None:
@@ -195,7 +197,8 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
         if cfg.fsdp_cpu_offload or cfg.optim_cpu_offload:
             levers.append("FSDP CPU offload" if cfg.fsdp_cpu_offload else "optimizer state on CPU")
         _log.info("model: %s", "; ".join(levers))
-    return Trainable(policy, model, optimizer, params, dtype, loaded.weights, checkpointed, act_offload, opt_offload)
+    return Trainable(policy, model, optimizer, params, dtype, loaded.weights, checkpointed, act_offload, opt_offload,
+                     RouterLoss.for_model(loaded.lm))
 
 
 def make_reference(loaded: Loaded, cfg: TrainConfig, info: DistInfo, dtype: torch.dtype) -> nn.Module:

@@ -29,6 +29,9 @@ AC_NAMED_TARGETS = ("attention", "matmul")
 # Where the MoE families of transformers write their experts per layer in config.json
 # (Qwen2/3-MoE, OLMoE: num_experts; Mixtral: num_local_experts).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+# The MoE families expert parallelism is built and tested for (docs/design.md §7): their experts
+# are two stacked tensors per layer and their checkpoint layout is in train/expert_layout.py.
+EP_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def check_world_size(dp_replicate: int, world_size: int) -> None:
@@ -62,6 +65,14 @@ def check_ep_experts(ep: int, num_experts: int | None, world_size: int) -> None:
                           f"of an EP group holds num_experts / ep of them, so set train.ep to one of {divisors}")
 
 
+def check_ep_family(ep: int, model_type: str | None) -> None:
+    """Expert parallelism shards the families it was built and tested for (EP_FAMILIES)."""
+    if ep > 1 and model_type not in EP_FAMILIES:
+        raise ConfigError(f"train.ep={ep}: expert parallelism supports the model families {', '.join(EP_FAMILIES)}, "
+                          f"not {model_type!r} (its MoE block's routing, shared experts or checkpoint layout are "
+                          f"not covered); set train.ep=1 (FSDP2 then shards its experts like any weight)")
+
+
 def model_experts(config: dict) -> int | None:
     """Experts per MoE layer named by a model config (config.json's dict), None for a dense model."""
     for key in EXPERT_COUNT_KEYS:
@@ -80,7 +91,9 @@ def check_ep_launch(cfg: "TrainConfig", num_nodes: int, model_path: str | Path =
     check_ep_world(cfg.ep, world)
     config = Path(model_path) / "config.json" if str(model_path) else None
     if config is not None and config.is_file():
-        check_ep_experts(cfg.ep, model_experts(json.loads(config.read_text())), world)
+        model = json.loads(config.read_text())
+        check_ep_experts(cfg.ep, model_experts(model), world)
+        check_ep_family(cfg.ep, model.get("model_type"))
 
 
 def check_ep_levers(cfg: "TrainConfig") -> None:
@@ -90,15 +103,17 @@ def check_ep_levers(cfg: "TrainConfig") -> None:
         raise ConfigError(f"train.ep must be at least 1 (got {cfg.ep}); 1 = no expert parallelism")
     if cfg.ep == 1:
         return
-    clashes = [f"{name}={value}" for name, value, ok in (
-        ("train.backend", cfg.backend, cfg.backend == "fsdp"), ("train.dp_replicate", cfg.dp_replicate,
-                                                                 cfg.dp_replicate == 1),
-        ("train.fsdp_cpu_offload", cfg.fsdp_cpu_offload, not cfg.fsdp_cpu_offload),
-        ("train.lora.rank", cfg.lora.rank, not cfg.lora.rank)) if not ok]
+    clashes = [f"{name}={value} ({why})" for name, value, ok, why in (
+        ("train.backend", cfg.backend, cfg.backend == "fsdp", "the experts are sharded beside FSDP2, not DDP"),
+        ("train.dp_replicate", cfg.dp_replicate, cfg.dp_replicate == 1,
+         "HSDP's (replicate, shard) mesh beside the (ep_replicate, ep) mesh is not implemented"),
+        ("train.fsdp_cpu_offload", cfg.fsdp_cpu_offload, not cfg.fsdp_cpu_offload,
+         "FSDP2 offloads only what it shards, and the expert shards are outside it: not implemented"),
+        ("train.lora.rank", cfg.lora.rank, not cfg.lora.rank,
+         "LoRA on stacked experts is not implemented")) if not ok]
     if clashes:
-        raise ConfigError(f"train.ep={cfg.ep} needs train.backend=fsdp, train.dp_replicate=1, "
-                          f"train.fsdp_cpu_offload=false and no LoRA, but the config has {', '.join(clashes)}; "
-                          f"change those or set train.ep=1")
+        raise ConfigError(f"train.ep={cfg.ep} does not combine with {'; '.join(clashes)}; set train.ep=1 or "
+                          f"train.backend=fsdp, train.dp_replicate=1, train.fsdp_cpu_offload=false, train.lora.rank=0")
 
 
 @dataclass

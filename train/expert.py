@@ -30,7 +30,7 @@ from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn import functional as F
 
-from train.config import check_ep_experts, check_ep_world, model_experts
+from train.config import check_ep_experts, check_ep_family, check_ep_world, model_experts
 from train.distributed import DistInfo
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
@@ -53,6 +53,7 @@ def shard_experts(lm: nn.Module, info: DistInfo, ep: int) -> set[nn.Parameter]:
     layer's tokens through all-to-all. Returns the expert parameters, which FSDP2 must ignore."""
     check_ep_world(ep, info.world_size)
     check_ep_experts(ep, model_experts(lm.config.to_dict()), info.world_size)
+    check_ep_family(ep, getattr(lm.config, "model_type", None))
     modules = expert_modules(lm)
     if not modules:
         raise ValueError(f"train.ep={ep}: {type(lm).__name__} names experts in its config but holds none as "
@@ -165,3 +166,12 @@ def expert_bytes(lm: nn.Module) -> int:
             local = t.to_local() if isinstance(t, DTensor) else t
             total += local.numel() * local.element_size()
     return total
+
+
+def expert_bytes_computing(lm: nn.Module) -> int:
+    """Bytes of one MoE layer's expert weights this rank holds while the layer runs: all of them
+    under FSDP2 alone (it all-gathers the layer's stacked experts for forward and backward), its
+    own E/ep under expert parallelism (nothing is gathered)."""
+    layers = [sum((t.to_local() if expert_writers(t) is not None else t).numel() * t.element_size()
+                  for t in (getattr(m, n) for n in EXPERT_TENSORS)) for m in expert_modules(lm)]
+    return max(layers, default=0)

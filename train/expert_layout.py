@@ -27,6 +27,13 @@ def is_stacked_expert(name: str) -> bool:
     return name.endswith(GATE_UP) or name.endswith(DOWN)
 
 
+def stored_name(model_type: str, name: str) -> str:
+    """The checkpoint name of a model tensor other than stacked experts (Mixtral's router and
+    norms live under `.block_sparse_moe.` in its files, `.mlp.` in the model)."""
+    layout = LAYOUTS.get(model_type)
+    return name.replace(*layout[0]) if layout is not None and layout[0] is not None else name
+
+
 def checkpoint_tensors(model_type: str, name: str, tensor: torch.Tensor,
                        first_expert: int = 0) -> list[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) pairs a model tensor is published as: one per expert for stacked
@@ -35,8 +42,8 @@ def checkpoint_tensors(model_type: str, name: str, tensor: torch.Tensor,
     layout = LAYOUTS.get(model_type)
     if layout is None:
         return [(name, tensor)]
-    rename, gate, up, down = layout
-    renamed = name.replace(*rename) if rename is not None else name
+    _, gate, up, down = layout
+    renamed = stored_name(model_type, name)
     if not is_stacked_expert(name):
         return [(renamed, tensor)]
     experts = renamed[:-len(GATE_UP)] if name.endswith(GATE_UP) else renamed[:-len(DOWN)]

@@ -31,6 +31,7 @@ from coordination.checkpoints import ADAPTER_DIR, CheckpointError, stamp_of
 from coordination.records import atomic_output
 from rollout.adapter import WEIGHTS_FILE
 from train.config import LoRAConfig
+from train.lora_targets import check_targets_matched
 
 _log = logging.getLogger("baton.train.lora")
 
@@ -111,6 +112,9 @@ def inject_adapters(lm: nn.Module, cfg: LoRAConfig, adapter: Path | None) -> int
     except ValueError as exc:
         raise CheckpointError(f"cannot add LoRA adapters to {type(lm).__name__}: {exc}; check "
                               f"train.lora.target_modules against the model's layer names") from None
+    linear = {n.removesuffix(".base_layer").rsplit(".", 1)[-1] for n, m in lm.named_modules()
+              if isinstance(m, nn.Linear) and ".lora_" not in n}
+    check_targets_matched(cfg, list(peft_model.targeted_module_names), linear, type(lm).__name__)
     fresh_adapters_on_host(lm)
     if adapter is not None:
         path = adapter / WEIGHTS_FILE

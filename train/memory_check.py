@@ -50,8 +50,8 @@ def _training_fixes(cfg: Any, plan: MemoryPlan) -> list[str]:
         levers.append((f"train.micro_batch_tokens={half} (if the longest prompt + completion fits)",
                        {"micro_batch_tokens": half}))
     for text, change in levers:
-        if cfg.train.backend != "fsdp" and "fsdp_cpu_offload" in text:
-            continue
+        if (cfg.train.backend != "fsdp" or cfg.train.ep > 1) and "fsdp_cpu_offload" in text:
+            continue  # DDP has no FSDP offload; expert parallelism does not combine with it
         peak = trainer_memory(plan.shape, replace(cfg.train, **change), plan.world_size).peak
         if peak + e.during_training <= gpu:
             out.append(f"{text} (trainer {peak / GIB:.1f} + engine {e.during_training / GIB:.1f} GiB)")

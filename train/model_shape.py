@@ -39,6 +39,7 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: int = 0          # layers of an MoE model whose MLP stays dense (mlp_only_layers)
+    top_k: int = 0                 # experts each token is routed to
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelShape":
@@ -82,6 +83,11 @@ class ModelShape:
         """One sparse layer's experts (the tensors train.ep shards); 0 for a dense model."""
         return self.experts * 3 * self.hidden * self.expert_intermediate
 
+    @property
+    def all_expert_params(self) -> int:
+        """Every sparse layer's experts: what train.ep divides by ep instead of FSDP2's dp_shard."""
+        return (self.layers - self.dense_layers) * self.expert_params if self.experts else 0
+
     def _block(self, sparse: bool) -> int:
         bias = self.q_width + 2 * self.kv_width if self.attention_bias else 0
         shapes = self.linear_shapes()
@@ -118,10 +124,13 @@ class ModelShape:
         return self.layers * per_block + head
 
     def block_activation_bytes(self, d: int) -> int:
-        """A: bytes one block keeps for backward per token without checkpointing (module docstring)."""
+        """A: bytes one block keeps for backward per token without checkpointing (module docstring).
+        A sparse block's MLP keeps, for each of the token's top_k experts, its row as the expert
+        received it and the expert's output before the router weights it (2 h), and gate,
+        silu(gate), up and their product at the expert's width (4 I_e), instead of a dense 4 i."""
         h = self.hidden
-        return 2 * (4 + d) * h + d * (2 * h + 2 * self.q_width + 2 * self.kv_width + 4 * self.intermediate) \
-            + 4 * self.heads
+        mlp = 2 * self.top_k * h + 4 * self.top_k * self.expert_intermediate if self.experts else 4 * self.intermediate
+        return 2 * (4 + d) * h + d * (2 * h + 2 * self.q_width + 2 * self.kv_width + mlp) + 4 * self.heads
 
     def kv_cache_bytes_per_token(self, d: int) -> int:
         return 2 * self.layers * self.kv_width * d
@@ -138,4 +147,5 @@ def _moe_sizes(c: dict[str, Any]) -> dict[str, int]:
     dense_only = set(c.get("mlp_only_layers") or [])
     dense = sum(1 for i in range(layers) if i in dense_only or (i + 1) % step)
     return {"experts": experts, "expert_intermediate": int(c.get("moe_intermediate_size") or c["intermediate_size"]),
-            "shared_intermediate": int(c.get("shared_expert_intermediate_size") or 0), "dense_layers": dense}
+            "shared_intermediate": int(c.get("shared_expert_intermediate_size") or 0), "dense_layers": dense,
+            "top_k": int(c.get("num_experts_per_tok") or 1)}

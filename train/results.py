@@ -29,6 +29,7 @@ def summarise(steps: list[dict[str, Any]], plan: dict[str, Any], seconds: float)
     busy = sum(s["seconds"] for s in steps)
     return {"steps": len(steps), "loss": mean("loss"), "entropy": mean("entropy"),
             "clip_fraction": mean("clip_fraction"), "kl": mean("kl"), "grad_norm": mean("grad_norm"),
+            "aux_loss": mean("aux_loss"),
             "lr": steps[-1]["lr"] if steps else None, "tokens": tokens,
             "tokens_per_s": tokens / busy if steps and busy > 0 else None,
             "peak_memory_mb": max((s["local_peak_memory_mb"] for s in steps), default=None),

@@ -116,7 +116,7 @@ def _train(opts: dict, cfg, info) -> dict:
             metrics = train_step(model, params, optimizer,
                                  _micro_batches(examples, batch, info, cfg.micro_batch_tokens, pad_id), lr=lr,
                                  global_completion_tokens=sum(len(examples[i].completion_ids) for i in batch),
-                                 settings=settings, info=info)
+                                 settings=settings, info=info, router_loss=t.router_loss)
             losses.append([step, round(metrics.loss, 5)])
             bar.advance(1, tokens=metrics.tokens)
             if info.is_main and (step % opts["log_every"] == 0 or step == 1):

@@ -36,7 +36,7 @@ from coordination.checkpoints import CheckpointError, stamp_of
 from coordination.records import atomic_output
 from train.expert import expert_writers
 from train.expert_io import fill_experts, own_experts, per_expert_stored
-from train.expert_layout import checkpoint_tensors
+from train.expert_layout import checkpoint_tensors, stored_name
 from train.model import quiet_transformers
 
 INDEX = "model.safetensors.index.json"
@@ -118,7 +118,9 @@ def missing_names(lm: nn.Module, folder: Path, besides: frozenset[str] = frozens
     checkpoints use other names is loaded by transformers, which converts them)."""
     stored = stored_names(folder)
     experts = per_expert_params(lm, stored, besides)
-    return sorted({file_key(n) for n, _ in lm.named_parameters() if n not in besides and n not in experts} - stored)
+    model_type = getattr(lm.config, "model_type", "")
+    return sorted({stored_name(model_type, file_key(n)) for n, _ in lm.named_parameters()
+                   if n not in besides and n not in experts} - stored)
 
 
 def build_on_meta(folder: Path, attn: str) -> nn.Module:
@@ -227,7 +229,8 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
         place_full(named[name], value)
     files = stored_files(folder)
     experts = per_expert_params(policy.lm, set(files), frozenset(extra))
-    targets = {file_key(n): p for n, p in named.items() if n not in extra and n not in experts}
+    model_type = getattr(policy.lm.config, "model_type", "")
+    targets = {stored_name(model_type, file_key(n)): p for n, p in named.items() if n not in extra and n not in experts}
     missing = missing_names(policy.lm, folder, frozenset(extra))
     if missing:
         raise CheckpointError(f"{folder} has no weights for {missing[:3]} ({len(missing)} missing); it is not a "
@@ -242,7 +245,7 @@ def materialize(policy, folder: Path, device: torch.device, extra: dict[str, tor
         raise CheckpointError(f"cannot load the weights of {folder}: {exc}; check that config.json and the "
                               f"safetensors files belong to the same model") from None
     if experts:
-        fill_experts(getattr(policy.lm.config, "model_type", ""), {k: named[n] for n, k in experts.items()}, files,
+        fill_experts(model_type, {k: named[n] for n, k in experts.items()}, files,
                      open_weights, stamp_of(folder))
     return len(targets) + len(experts)
 

@@ -1,11 +1,14 @@
-"""A tiny Llama checkpoint for CPU runs, tests and the demo (and a tiny Qwen3-MoE with `--moe`).
+"""A tiny Llama checkpoint for CPU runs, tests and the demo (and a tiny MoE with `--moe`).
 
 `python -m train.tiny --out DIR` writes a complete Hugging Face folder (config, safetensors
 weights, tokenizer, generation config) that transformers and vLLM on CPU load as they are.
 `--moe` writes a Qwen3-MoE model instead (every MLP a sparse block of `--experts` experts, the
 router choosing `--top-k` per token) with the same tokenizer, attention shape and width, for the
-expert-parallel trainer. Qwen3-MoE because transformers keeps its experts as
-two stacked [experts, ...] tensors per layer, which shard along the expert dimension as they are.
+expert-parallel trainer; `--moe-family mixtral` writes the same shape as Mixtral, whose
+checkpoint names its experts differently (train/expert_layout.py). These two families because
+transformers keeps their experts as two stacked [experts, ...] tensors per layer, which shard
+along the expert dimension as they are. `--router-aux-loss-coef` > 0 turns on the load-balancing
+loss the model defines (`output_router_logits`; train/router_loss.py).
 
 Choices and their reasons (measured; docs/design.md §10.3 and §10.4):
 - Llama, not Qwen2: with a Qwen2 config AutoTokenizer forces Qwen2Tokenizer, whose byte-level
@@ -22,6 +25,7 @@ import click
 from coordination.records import restrict_umask
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 # Printable ASCII plus newline: enough for arithmetic, chat role markers and short prose.
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 CHAT_TEMPLATE = (
@@ -47,10 +51,11 @@ def build_tokenizer():
 
 
 def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_heads: int,
-                       intermediate: int, max_positions: int, experts: int = 0, top_k: int = 2):
-    """A LlamaConfig, or with `experts` > 0 a Qwen3MoeConfig whose experts are each
-    intermediate / top_k wide, so a token's active MLP width equals the dense model's."""
-    from transformers import LlamaConfig, Qwen3MoeConfig
+                       intermediate: int, max_positions: int, experts: int = 0, top_k: int = 2,
+                       family: str = "qwen3_moe", router_aux_loss_coef: float = 0.0):
+    """A LlamaConfig, or with `experts` > 0 a Qwen3MoeConfig or MixtralConfig (`family`) whose
+    experts are each intermediate / top_k wide, so a token's active MLP width equals the dense model's."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
     if hidden % heads:
         raise click.UsageError(f"--hidden ({hidden}) must be divisible by --heads ({heads})")
@@ -66,14 +71,22 @@ def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_he
         if intermediate % top_k:
             raise click.UsageError(f"--intermediate ({intermediate}) must be divisible by --top-k ({top_k}): each "
                                    f"expert is intermediate / top_k wide")
-        return Qwen3MoeConfig(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-            moe_intermediate_size=intermediate // top_k, num_experts=experts, num_experts_per_tok=top_k,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=layers,
+        if router_aux_loss_coef < 0:
+            raise click.UsageError(f"--router-aux-loss-coef ({router_aux_loss_coef}) must be 0 (off) or positive")
+        common = dict(
+            vocab_size=len(tokenizer), hidden_size=hidden, num_experts_per_tok=top_k, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
             max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            output_router_logits=router_aux_loss_coef > 0, router_aux_loss_coef=router_aux_loss_coef,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)
+        if family == "mixtral":
+            return MixtralConfig(intermediate_size=intermediate // top_k, num_local_experts=experts, **common)
+        if family != "qwen3_moe":
+            raise click.UsageError(f"--moe-family {family!r} is not one of {', '.join(MOE_FAMILIES)}")
+        return Qwen3MoeConfig(intermediate_size=intermediate, moe_intermediate_size=intermediate // top_k,
+                              num_experts=experts, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                              **common)
     return LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -84,9 +97,9 @@ def build_model_config(tokenizer, *, hidden: int, layers: int, heads: int, kv_he
 
 def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
                      intermediate: int = 384, max_positions: int = 256, seed: int = 0, experts: int = 0,
-                     top_k: int = 2) -> Path:
-    """Write a randomly initialised tiny Llama folder (with `experts` > 0: Qwen3-MoE) to `out`
-    (created; must be empty or absent)."""
+                     top_k: int = 2, family: str = "qwen3_moe", router_aux_loss_coef: float = 0.0) -> Path:
+    """Write a randomly initialised tiny Llama folder (with `experts` > 0: an MoE of `family`) to
+    `out` (created; must be empty or absent)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -96,7 +109,7 @@ def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: in
     tokenizer = build_tokenizer()
     config = build_model_config(tokenizer, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                                 intermediate=intermediate, max_positions=max_positions, experts=experts,
-                                top_k=top_k)
+                                top_k=top_k, family=family, router_aux_loss_coef=router_aux_loss_coef)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -122,14 +135,19 @@ def write_tiny_model(out: Path, *, hidden: int = 128, layers: int = 4, heads: in
 @click.option("--moe", is_flag=True, help="write a Qwen3-MoE model (sparse expert MLPs) instead of a dense Llama")
 @click.option("--experts", default=4, show_default=True, help="--moe: experts per layer")
 @click.option("--top-k", default=2, show_default=True, help="--moe: experts each token is routed to")
-def main(out: Path, moe: bool, experts: int, top_k: int, **kw) -> None:
-    """Write a tiny character-level Llama (or Qwen3-MoE) checkpoint for CPU runs."""
+@click.option("--moe-family", "family", type=click.Choice(MOE_FAMILIES), default="qwen3_moe", show_default=True,
+              help="--moe: the model family (its config and checkpoint layout)")
+@click.option("--router-aux-loss-coef", default=0.0, show_default=True,
+              help="--moe: weight of the load-balancing loss the trainer adds (0 = off)")
+def main(out: Path, moe: bool, experts: int, top_k: int, family: str, router_aux_loss_coef: float, **kw) -> None:
+    """Write a tiny character-level Llama (or MoE) checkpoint for CPU runs."""
     restrict_umask()  # nothing baton or a library writes is wider than 0o750 / 0o640 (docs/design.md §5 rule 11)
     if moe and experts < 1:
         raise click.UsageError(f"--experts ({experts}) must be at least 1 with --moe")
-    path = write_tiny_model(out, experts=experts if moe else 0, top_k=top_k, **kw)
+    path = write_tiny_model(out, experts=experts if moe else 0, top_k=top_k, family=family,
+                            router_aux_loss_coef=router_aux_loss_coef, **kw)
     n = json.loads((path / "baton-tiny.json").read_text())["parameters"]
-    kind = f"Qwen3-MoE, {experts} experts top-{top_k}" if moe else "Llama"
+    kind = f"{family}, {experts} experts top-{top_k}" if moe else "Llama"
     click.echo(f"wrote tiny {kind} ({n:,} parameters) to {path}")
 
 

@@ -173,7 +173,7 @@ def train_steps(held: Held, plan: dict[str, Any], layout, iteration: int, info) 
         micro_batches = [collate(shard.get((s, m), []), held.pad_id) for m in range(step["micro_batches_per_rank"])]
         metrics = train_step(t.model, t.params, t.optimizer, micro_batches, lr=config_lr(cfg, held.opt_step),
                              global_completion_tokens=step["completion_tokens"], settings=settings, info=info,
-                             reference=held.reference)
+                             reference=held.reference, router_loss=t.router_loss)
         held.opt_step += 1
         history.append(metrics.as_dict())
         if info.is_main:

@@ -35,6 +35,14 @@ is one of two:
   the way to the reduce-scatter (d bytes as computed, the float32 cast, the float32 reduce-scatter
   input: (d + 8) x block), and the LM head's d-byte gradient, which waits for the root's
   reduce-scatter at the very end of backward.
+With train.ep (expert parallelism, train/expert.py) the X expert parameters of the sparse layers
+are held whole, X / ep per rank, and FSDP2 shards the other P - X over dp_shard: master
+weights, gradients, moments and the step's temporary count (P - X) / dp_shard + X / ep. A block
+is gathered without its experts, and in d < 4 bytes the rank's own experts of the running and
+the prefetched block are cast to d bytes; its unsharded gradient is the non-expert part plus
+X_l / ep; one MoE layer's all-to-all buffers (dispatch and combine, each sent and received:
+4 T top_k h d bytes with balanced routing) join the block's backward moment. A sparse block
+keeps 2 top_k h + 4 top_k I_e per token for its MLP instead of 4 i (train/model_shape.py).
 The optimizer step runs after backward: shards, moments (optim_cpu_offload brings them back) and
 one float32 temporary per trained tensor (foreach AdamW's square root of the second moment).
 peak = max(forward/backward, optimizer step).
@@ -123,23 +131,35 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
     shard = world_size // train.dp_replicate if fsdp else 1
     p, vh = shape.params, shape.vocab * shape.hidden
     trained = shape.lora_params(train.lora.rank, train.lora.target_modules) if train.lora.rank else p
-    trained_block = trained / shape.layers if train.lora.rank else shape.block_params
+    # train.ep (no LoRA with it): each rank keeps E/ep whole experts of every layer, FSDP2 shards the rest.
+    ep = train.ep if fsdp and shape.experts else 1
+    experts, layer_experts = (shape.all_expert_params, shape.expert_params) if ep > 1 else (0, 0)
+
+    def per_rank(n: float) -> float:
+        return (n - experts) / shard + experts / ep
+
+    trained_block = trained / shape.layers if train.lora.rank else \
+        shape.block_params - layer_experts + layer_experts / ep
+    ep_note = f"; experts {shape.experts // ep} of {shape.experts} per layer, whole" if ep > 1 else ""
     head_trained = not train.lora.rank  # a LoRA policy's head is frozen (an adapted head is not chunked)
     host = fsdp and train.fsdp_cpu_offload
     on_host = " (on host)" if host else ""
-    params = 0.0 if host else 4 * p / shard
-    rows: Rows = [(f"parameters: fp32 master, 1/{shard} shard{on_host}", params)]
+    params = 0.0 if host else 4 * per_rank(p)
+    rows: Rows = [(f"parameters: fp32 master, 1/{shard} shard{ep_note}{on_host}", params)]
     if fsdp:
         blocks = 2 if train.reshard_after_forward else shape.layers
-        rows.append((f"gathered parameters: {d}-byte root + {blocks} blocks",
-                     d * (shape.root_params + blocks * shape.block_params)))
-        grads = 0.0 if host else 4 * trained / shard
-        rows.append((f"gradients: fp32, 1/{shard} shard{on_host}", grads))
+        # Under ep the experts are not gathered; a d-byte copy of the rank's own is made for compute.
+        rows.append((f"gathered parameters: {d}-byte root + {blocks} blocks" + (" without experts" if ep > 1 else ""),
+                     d * (shape.root_params + blocks * (shape.block_params - layer_experts))))
+        if ep > 1 and d < 4:
+            rows.append((f"{d}-byte copies of this rank's experts of {blocks} blocks", d * blocks * layer_experts / ep))
+        grads = 0.0 if host else 4 * per_rank(trained)
+        rows.append((f"gradients: fp32, 1/{shard} shard{ep_note}{on_host}", grads))
     else:
         rows.append((f"autocast {d}-byte weight copies (DDP)", d * p if d < 4 else 0.0))
         grads = 8 * trained
         rows.append(("gradients: fp32 + DDP buckets", grads))
-    optim = 0.0 if host else 8 * trained / shard
+    optim = 0.0 if host else 8 * per_rank(trained)
     where = on_host or (" (on host between steps)" if train.optim_cpu_offload else "")
     rows.append((f"AdamW state: 2 x fp32, 1/{shard} shard{where}", 0.0 if train.optim_cpu_offload else optim))
     tokens = train.micro_batch_tokens
@@ -147,7 +167,7 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
     rows.append((f"activations kept: {tokens} tokens, {what}", kept))
     reference = 0.0
     if train.kl_coef > 0:
-        reference = 0.0 if host else 4 * p / shard
+        reference = 0.0 if host else 4 * per_rank(p)
         rows.append((f"KL reference: fp32, 1/{shard} shard{on_host}", reference))
         if fsdp:
             reference += d * shape.root_params
@@ -171,10 +191,14 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
                       (d + cast + 4) * trained_block))
         if head_trained:
             block.append((f"LM head's {d}-byte gradient, until the root's reduce-scatter", d * vh))
+    if ep > 1:
+        # Balanced routing: each of T x top_k rows of h values is sent and received once each way.
+        block.append(("all-to-all buffers of one MoE layer: dispatch + combine, send + receive",
+                      4 * tokens * shape.top_k * shape.hidden * d))
 
     # The step runs after the last backward: activations, gathered blocks and unsharded gradients are
     # freed by then, and optim_cpu_offload has brought the moments back to the device.
-    temporaries = 0.0 if host else 4 * trained / shard
+    temporaries = 0.0 if host else 4 * per_rank(trained)
     step = params + grads + optim + temporaries + reference + overhead
     notes = ["optim_cpu_offload: the optimizer state comes back to the device for each step"] \
         if train.optim_cpu_offload else []

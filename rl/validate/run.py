@@ -3,6 +3,7 @@ secrets, GPU memory."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from rollout.judge.score import JudgeError, load_parser
 from rollout.rewards import RewardError, check_reward
 from rollout.tasks import TaskFileError
 from train.config import check_ep_launch, check_world_size
+from train.lora_targets import check_moe_lora_targets
 from train.memory_check import check_memory
 
 
@@ -89,6 +91,14 @@ def expert_parallel_degree(r: RunInputs) -> str | None:
     if not r.args.kind.trains:
         return None
     return by_message(lambda: check_ep_launch(train, r.args.num_nodes, r.cfg.model.path))
+
+
+def lora_targets_moe(r: RunInputs) -> str | None:
+    """LoRA's target_modules reach linear layers this model has (an MoE model's experts are none)."""
+    train, config = r.cfg.train, Path(str(r.cfg.model.path)) / "config.json"
+    if not (r.args.kind.trains and train.lora.rank and str(r.cfg.model.path) and config.is_file()):
+        return None
+    return by_message(lambda: check_moe_lora_targets(train.lora, json.loads(config.read_text())))
 
 
 def flash_attn_installed(r: RunInputs) -> str | None:
@@ -198,6 +208,7 @@ RUN_RULES: tuple[Rule, ...] = (
     Rule("lora-rank-served", lora_rank_served),
     Rule("trainer-world-size", trainer_world_size),
     Rule("expert-parallel-degree", expert_parallel_degree),
+    Rule("lora-targets-moe", lora_targets_moe),
     Rule("flash-attn-installed", flash_attn_installed),
     Rule("task-files", task_files),
     Rule("reward-scores", reward_scores, needs=("task-files",)),
