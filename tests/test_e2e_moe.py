@@ -104,10 +104,12 @@ def test_moe_run_at_ep2_survives_a_worker_killed_in_phase_10_and_its_state_conti
     w_cmd = node_cmd(data, moe, log, *flags, "--worker", "1", overrides=over)
     procs.start("n0", node_cmd(data, moe, log, *flags, "--master", overrides=over))
     procs.start("n1", w_cmd)
-    # The resident trainer gets iteration 1's order only in phase 10, so this line means training began.
+    # The resident trainer gets iteration 2's order only in phase 10, so this line means training
+    # began. Iteration 2, not 1: its retry loads checkpoint 1 as the EP ranks wrote it (each rank's
+    # experts from per-rank files, the moments from DCP shards) into two fresh ep=2 processes.
     trainer_log = lay.job("both").log_file(1, "trainer")
     kill_and_restart(procs, "n1", w_cmd,
-                     lambda: trainer_log.exists() and "iteration 1 continues the model" in trainer_log.read_text())
+                     lambda: trainer_log.exists() and "iteration 2 continues the model" in trainer_log.read_text())
     # The killed node's torchrun (a process group of its own) ends on the parent-death signal.
     killed = int(re.search(r"torchrun pid (\d+)", lay.job("both").log_file(1, "driver").read_text()).group(1))
     procs.adopt([killed])
@@ -119,13 +121,15 @@ def test_moe_run_at_ep2_survives_a_worker_killed_in_phase_10_and_its_state_conti
     assert codes["n0"] == 0 and codes["n1-again"] == 0, procs.log("n1-again")[-3000:] + procs.log("n0")[-3000:]
 
     check_complete_run(lay, 2, 24, 4, moe)
-    assert (lay.training_dir(1) / "attempt-2").exists(), "the interrupted training attempt was not retried"
+    assert (lay.training_dir(2) / "attempt-2").exists(), "the interrupted training attempt was not retried"
+    assert re.search(r"rank 1/2 on cpu \(fsdp, float32\): loaded \S+/iter-1 \(iteration 1, optimizer step 2\): "
+                     r"the trained parameters continue from their float32 state", trainer_log.read_text())
     assert "another node ended in the middle of a collective" in procs.log("n0")   # not "fix your network"
     assert "expert parallelism: 1 group(s) of ep=2 ranks" in lay.job("both").log_file(0, "trainer").read_text()
-    # 2 optimizer steps per iteration: the retried attempt started again from iteration 0's state.
+    # 2 optimizer steps per iteration: the retried attempt started again from checkpoint 1's state.
     assert [read_record(lay.checkpoint(it) / "trainer_state.json").data["optimizer_step"] for it in (1, 2)] == [2, 4]
     assert ts.optimizer_steps(lay.checkpoint(2)) == {4.0}
-    assert len(re.findall(r"iteration 1 done in", procs.log("n0"))) == 1
+    assert [len(re.findall(rf"iteration {it} done in", procs.log("n0"))) for it in (1, 2)] == [1, 1]
     for it in (1, 2):
         _experts_load_where_the_ranks_wrote_them(lay.checkpoint(it))
     train2 = rows(lay, 2)
