@@ -152,8 +152,8 @@ def test_moe_run_at_ep2_survives_a_worker_killed_in_phase_10_and_its_state_conti
 def test_vllm_serves_the_moe_checkpoint_the_ep_ranks_published(procs, tmp_path, assets, moe):
     """One node, two trainer processes at ep=2, the vLLM engine on CPU: a server started on
     checkpoint 1 (per-rank files, each with the experts its rank held) samples iteration 2 with the
-    logprobs of a transformers forward pass of that checkpoint. The tiny MoE ties its embeddings,
-    which vLLM on CPU does not refresh on reload: the engine restarts on each checkpoint."""
+    logprobs of a transformers forward pass of that checkpoint. The engine restarts on each
+    checkpoint: vLLM on CPU reloads neither a tied output layer nor MoE experts in place (refused)."""
     python = os.environ.get("BATON_VLLM_PYTHON")
     if not python:
         pytest.fail("the vllm tier needs BATON_VLLM_PYTHON (scripts/test.sh --all sets it to .venv-vllm/bin/python)")

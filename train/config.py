@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from coordination.config import ConfigError, non_negative, option, positive, section
+from rollout.model_config import model_experts
 
 # GRPO's clip range (DAPO's asymmetric "clip higher"): the one place the defaults are written;
 # train/step.py and train/loss.py take them from here.
@@ -26,9 +27,6 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 AC_NAMED_TARGETS = ("attention", "matmul")
-# Where the MoE families of transformers write their experts per layer in config.json
-# (Qwen2/3-MoE, OLMoE: num_experts; Mixtral: num_local_experts).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 
 
 def check_world_size(dp_replicate: int, world_size: int) -> None:
@@ -60,14 +58,6 @@ def check_ep_experts(ep: int, num_experts: int | None, world_size: int) -> None:
         divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0 and world_size % d == 0]
         raise ConfigError(f"train.ep={ep} does not divide the model's {num_experts} experts per layer; every rank "
                           f"of an EP group holds num_experts / ep of them, so set train.ep to one of {divisors}")
-
-
-def model_experts(config: dict) -> int | None:
-    """Experts per MoE layer named by a model config (config.json's dict), None for a dense model."""
-    for key in EXPERT_COUNT_KEYS:
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
 
 
 def check_ep_launch(cfg: "TrainConfig", num_nodes: int, model_path: str | Path = "") -> None:
