@@ -22,7 +22,7 @@ import torch
 from coordination.layout import RunLayout
 from coordination.records import read_record
 from tests import train_support as ts
-from tests.e2e import check_complete_run, fresh_log, kill_and_restart, node_cmd, rows
+from tests.e2e import check_complete_run, fresh_log, kill_and_restart, max_logprob_gap, node_cmd, rows
 
 EXPERTS, LAYERS = 4, 2
 
@@ -50,24 +50,9 @@ def _experts_load_where_the_ranks_wrote_them(folder: Path) -> None:
                 fused = model.model.layers[layer].mlp.experts
                 for e in held:
                     name = f"model.layers.{layer}.mlp.experts.{e}"
-                    gate_up = torch.cat([f.get_tensor(f"{name}.gate_proj.weight"), f.get_tensor(f"{name}.up_proj.weight")])
+                    gate_up = torch.cat([f.get_tensor(f"{name}.{p}_proj.weight") for p in ("gate", "up")])
                     assert torch.equal(fused.gate_up_proj[e], gate_up), (layer, e)
                     assert torch.equal(fused.down_proj[e], f.get_tensor(f"{name}.down_proj.weight")), (layer, e)
-
-
-def _sampled_by(table, folder: Path, samples: int = 24) -> float:
-    """Largest gap between the rows' sampling logprobs and a transformers forward pass of `folder`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    worst = 0.0
-    for row in table.slice(0, samples).to_pylist():
-        prompt, completion = row["prompt_ids"], row["completion_ids"]
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
-        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
-        worst = max(worst, float((expected - torch.tensor(row["logprobs"])).abs().max()))
-    return worst
 
 
 def _iteration_2_again_at_ep1(lay: RunLayout, root: Path) -> Path:
@@ -134,7 +119,7 @@ def test_moe_run_at_ep2_survives_a_worker_killed_in_phase_10_and_its_state_conti
         _experts_load_where_the_ranks_wrote_them(lay.checkpoint(it))
     train2 = rows(lay, 2)
     assert set(train2["policy_iteration"].to_pylist()) == {1}
-    assert _sampled_by(train2, lay.checkpoint(1)) < 1e-4      # measured 1e-6: the same float32 forward
+    assert max_logprob_gap(train2, lay.checkpoint(1)) < 1e-4      # measured 1e-6: the same float32 forward
 
     ep1 = _iteration_2_again_at_ep1(lay, tmp_path / "ep1")
     assert ts.optimizer_steps(ep1) == {4.0}
@@ -170,4 +155,4 @@ def test_vllm_serves_the_moe_checkpoint_the_ep_ranks_published(procs, tmp_path, 
     train2 = rows(lay, 2)
     assert set(train2["policy_iteration"].to_pylist()) == {1}
     # vLLM's float32 CPU kernels against transformers' forward: measured 4.8e-7 over 96 samples.
-    assert _sampled_by(train2, lay.checkpoint(1)) < 1e-4
+    assert max_logprob_gap(train2, lay.checkpoint(1)) < 1e-4
