@@ -50,6 +50,13 @@ CAUSES: tuple[Cause, ...] = (
     Cause("disk full", re.compile(r"No space left on device|ENOSPC|Errno 28"),
           "the disk holding {path} is full: free space there (`df -h {path}`), or move the run to a larger "
           "filesystem, then restart every node with its command; more attempts would fail the same way"),
+    # Before "network": an established gloo pair whose peer vanished (kill -9, a crash, the OOM
+    # killer) reads a reset too, and there socket settings are not the fix and a retry is.
+    Cause("peer lost", re.compile(r"(Read|Write) error \[[^\]]*\]:\d+: Connection reset by peer"
+                                  r"|Connection closed by peer"),
+          "a trainer process of another node ended in the middle of a collective (killed, crashed or out of "
+          "memory): that node's trainer.log and driver.log say why; the iteration's next attempt (up to "
+          "train.max_attempts) retries it once that node runs again with its command"),
     Cause("network", re.compile(
         r"loopback address as fallback|GLOO_SOCKET_IFNAME|NCCL_SOCKET_IFNAME|Connection refused|ECONNREFUSED"
         r"|gloo.*(connect|bind|Address)|Gloo connectFullMesh|127\.0\.0\.1|Address already in use|DistNetworkError"

@@ -101,3 +101,26 @@ def check_complete_run(lay: RunLayout, iterations: int, tasks: int, group: int, 
         pairs = list(zip(t["task_id"].to_pylist(), t["sample_index"].to_pylist()))
         assert len(pairs) == tasks * group and len(set(pairs)) == len(pairs), f"iteration {it}: lost or duplicated"
     checkpoints_load(lay, list(range(1, iterations + 1)), base)
+
+
+def max_logprob_gap(table, base: Path, adapter: Path | None = None, temperature: float = 1.0, rows: int = 24) -> float:
+    """Largest difference between the sampling logprobs in `table` and a transformers (+ peft) forward
+    pass of `base` with `adapter` over the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    worst = 0.0
+    for row in table.slice(0, rows).to_pylist():
+        prompt, completion = row["prompt_ids"], row["completion_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+        logp = torch.log_softmax(logits / temperature if temperature else logits, -1)
+        expected = logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        worst = max(worst, float((expected - torch.tensor(row["logprobs"])).abs().max()))
+    return worst

@@ -53,6 +53,17 @@ def test_network_failures_advise_the_socket_interface_not_more_attempts(text):
     assert "max_attempts" not in todo
 
 
+@pytest.mark.parametrize("text", [
+    "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:22423: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application.",
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:5001",
+])
+def test_a_peer_gone_mid_training_is_told_apart_from_a_network_misconfiguration(text):
+    todo = diagnose.advice(text)
+    assert todo is not None and "another node ended" in todo and "train.max_attempts" in todo
+    assert "socket_ifname" not in todo
+
+
 def test_full_disk_advice_names_the_path_from_the_error():
     todo = diagnose.advice("OSError: [Errno 28] No space left on device: '/shared/run/checkpoints/.iter-3'",
                            "/shared/run")
@@ -69,7 +80,7 @@ def test_unknown_failure_gets_no_advice():
 
 
 def test_every_row_of_the_table_has_a_test_above():
-    assert [c.name for c in diagnose.CAUSES] == ["disk full", "network"]
+    assert [c.name for c in diagnose.CAUSES] == ["disk full", "peer lost", "network"]
 
 
 def _step(tmp_path: Path) -> Step:

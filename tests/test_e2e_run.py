@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
@@ -13,6 +12,7 @@ from tests.e2e import check_complete_run as _check_complete_run
 from tests.e2e import checkpoints_load as _checkpoints_load
 from tests.e2e import fresh_log, node_cmd
 from tests.e2e import kill_and_restart as _kill_and_restart
+from tests.e2e import max_logprob_gap as _max_logprob_gap
 from tests.e2e import rows as _rows
 from tests.procs import wait_for_text
 
@@ -43,26 +43,6 @@ def test_one_node_runs_two_iterations_with_eval_and_publishes_checkpoints(procs,
         assert re.search(rf"iteration {it} done in [0-9.]+ s: train reward [0-9.]+, eval accuracy [0-9.]+ "
                          rf"\(checkpoint {it - 1}\), loss", console), console[-3000:]
     assert re.search(r"iteration 3 done in [0-9.]+ s: eval accuracy [0-9.]+ \(checkpoint 2\)", console)
-
-
-def _max_logprob_gap(table, base: Path, adapter: Path | None, temperature: float, rows: int = 24) -> float:
-    """Largest difference between the sampling logprobs in `table` and a transformers (+ peft) forward
-    pass of `base` with `adapter` over the same tokens."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = (PeftModel.from_pretrained(model, str(adapter)) if adapter else model).eval()
-    worst = 0.0
-    for row in table.slice(0, rows).to_pylist():
-        prompt, completion = row["prompt_ids"], row["completion_ids"]
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
-        logp = torch.log_softmax(logits / temperature if temperature else logits, -1)
-        expected = logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
-        worst = max(worst, float((expected - torch.tensor(row["logprobs"])).abs().max()))
-    return worst
 
 
 def test_lora_run_publishes_adapters_only_and_samples_the_next_iteration_from_them(procs, tmp_path, assets):

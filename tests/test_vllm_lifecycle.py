@@ -419,6 +419,19 @@ def test_cpu_weight_reload_of_a_tied_checkpoint_is_refused_before_launching(tmp_
     assert not (tmp_path / "server.log").exists()  # nothing was launched
 
 
+def test_cpu_weight_reload_of_a_mixture_of_experts_is_refused_before_launching(tmp_path, stand_in, checkpoint):
+    for key in ("num_experts", "num_local_experts"):     # Qwen3-MoE's and Mixtral's spelling
+        (checkpoint / "config.json").write_text(json.dumps({"tie_word_embeddings": False, key: 4}))
+        for mode in ("reload", "sleep"):
+            engine = VLLMEngine(VLLMConfig(cpu=True, env={"PYTHONPATH": str(stand_in)}), between_iterations=mode,
+                                log_file=tmp_path / "server.log")
+            with pytest.raises(EngineError) as err:
+                engine.start(checkpoint)
+            assert "mixture-of-experts model (4 experts per layer)" in str(err.value)
+            assert "between_iterations=restart" in str(err.value)
+    assert not (tmp_path / "server.log").exists()  # nothing was launched
+
+
 def lora_adapter(tmp_path: Path, name: str, rank: int = 8) -> Path:
     """An adapter folder as the trainer publishes it (the stand-in server does not read the weights)."""
     folder = tmp_path / name / "adapter"

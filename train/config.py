@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from coordination.config import ConfigError, non_negative, option, positive, section
+from rollout.model_config import model_experts
 
 # GRPO's clip range (DAPO's asymmetric "clip higher"): the one place the defaults are written;
 # train/step.py and train/loss.py take them from here.
@@ -26,9 +27,6 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 AC_NAMED_TARGETS = ("attention", "matmul")
-# Where the MoE families of transformers write their experts per layer in config.json
-# (Qwen2/3-MoE, OLMoE: num_experts; Mixtral: num_local_experts).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 # The MoE families expert parallelism is built and tested for (docs/design.md §7): their experts
 # are two stacked tensors per layer and their checkpoint layout is in train/expert_layout.py.
 EP_FAMILIES = ("qwen3_moe", "mixtral")
@@ -71,14 +69,6 @@ def check_ep_family(ep: int, model_type: str | None) -> None:
         raise ConfigError(f"train.ep={ep}: expert parallelism supports the model families {', '.join(EP_FAMILIES)}, "
                           f"not {model_type!r} (its MoE block's routing, shared experts or checkpoint layout are "
                           f"not covered); set train.ep=1 (FSDP2 then shards its experts like any weight)")
-
-
-def model_experts(config: dict) -> int | None:
-    """Experts per MoE layer named by a model config (config.json's dict), None for a dense model."""
-    for key in EXPERT_COUNT_KEYS:
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
 
 
 def check_ep_launch(cfg: "TrainConfig", num_nodes: int, model_path: str | Path = "") -> None:

@@ -9,7 +9,8 @@ would train the attention alone. LoRA on experts is not implemented: both checks
 from __future__ import annotations
 
 from coordination.config import ConfigError
-from train.config import LoRAConfig, model_experts
+from rollout.model_config import model_experts
+from train.config import LoRAConfig
 
 # The per-expert linear names of the MoE families' checkpoints (Qwen2/3-MoE, OLMoE; Mixtral).
 EXPERT_LINEAR_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")

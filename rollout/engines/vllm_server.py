@@ -194,12 +194,11 @@ def check_checkpoint(model_dir: Path) -> None:
                           f"*.safetensors weights); point the engine at a complete checkpoint")
 
 
-def tied_embeddings(model_dir: Path) -> bool:
+def model_config(model_dir: Path) -> dict:
     try:
-        config = json.loads((model_dir / "config.json").read_text())
+        return json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise EngineError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
-    return bool(config.get("tie_word_embeddings", False))
 
 
 class ServerProcess:
