@@ -72,13 +72,18 @@ def test_fsdp2_nccl_bf16_step_publishes_exactly_what_it_trained(base, published)
     assert not torch.equal(trained["model.norm.weight"], _load(base / "model.safetensors")["model.norm.weight"])
 
 
-def test_a_moe_bf16_step_on_the_gpu_publishes_exactly_what_it_trained(tmp_path):
-    """The tiny Qwen3-MoE (4 experts, top-2) through the same step and publication in bfloat16 on
-    CUDA: the router's top-k and the experts' grouped matmuls run on the GPU, and the per-expert
-    Hugging Face layout the publication writes loads back to exactly the trained weights cast."""
-    moe = ts.make_tiny(tmp_path / "tiny-moe", layers=2, experts=4, top_k=2)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_bf16_step_on_the_gpu_publishes_exactly_what_it_trained(tmp_path, family):
+    """The tiny MoE (4 experts, top-2, the load-balancing loss on) through the same step and
+    publication in bfloat16 on CUDA: the router's top-k, its auxiliary loss and the experts' matmuls
+    run on the GPU, and the per-expert Hugging Face layout the publication writes loads back to
+    exactly the trained weights cast."""
+    moe = ts.make_tiny(tmp_path / "tiny-moe", layers=2, experts=4, top_k=2, family=family,
+                       router_aux_loss_coef=0.01)
     out = tmp_path / "publish"
     _launch("publish", moe, out, _world(), extra={"dtype": "bfloat16"}, timeout=600)
+    step = json.loads((out / "step.json").read_text())
+    assert step["aux_loss"] > 0, step   # the router's balance term was computed and counted
     trained = _load(out / "trained.safetensors")
     weights, dtype = _published_weights(out / "ckpt")
     assert dtype == torch.bfloat16

@@ -61,7 +61,7 @@ def _step(t, cfg, info):
     total = sum(len(r["completion_ids"]) for r in rows)
     settings = StepSettings(algorithm="grpo", backend=cfg.backend, dtype=t.dtype)
     return train_step(t.model, t.params, t.optimizer, [mb], global_completion_tokens=total, lr=cfg.lr,
-                      settings=settings, info=info)
+                      settings=settings, info=info, router_loss=t.router_loss)
 
 
 def worker(mode: str, model: Path, out: Path, tag: str, extra: dict) -> None:
