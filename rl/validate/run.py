@@ -15,6 +15,7 @@ from rollout.envs import EnvError, check_env
 from rollout.rewards import RewardError, check_reward
 from rollout.tasks import TaskFileError
 from train.config import check_ep_launch, check_world_size
+from train.context_rules import check_cp_launch
 from train.memory_check import check_memory
 
 
@@ -88,6 +89,14 @@ def expert_parallel_degree(r: RunInputs) -> str | None:
     if not r.args.kind.trains:
         return None
     return by_message(lambda: check_ep_launch(train, r.args.num_nodes, r.cfg.model.path))
+
+
+def context_parallel_degree(r: RunInputs) -> str | None:
+    """train.cp stays within a node, divides the trainer processes and the model's heads and kv
+    heads, on a model whose attention is plain causal attention."""
+    if not r.args.kind.trains:
+        return None
+    return by_message(lambda: check_cp_launch(r.cfg.train, r.args.num_nodes, r.cfg.model.path))
 
 
 def flash_attn_installed(r: RunInputs) -> str | None:
@@ -171,6 +180,7 @@ RUN_RULES: tuple[Rule, ...] = (
     Rule("lora-rank-served", lora_rank_served),
     Rule("trainer-world-size", trainer_world_size),
     Rule("expert-parallel-degree", expert_parallel_degree),
+    Rule("context-parallel-degree", context_parallel_degree),
     Rule("flash-attn-installed", flash_attn_installed),
     Rule("task-files", task_files),
     Rule("reward-scores", reward_scores, needs=("task-files",)),
