@@ -102,13 +102,21 @@ def test_bench_under_torchrun_uses_hsdp_over_two_processes(tmp_path):
 def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "train.bench", "--levers", "--json", "--hidden", "64", "--layers",
-                           "2", "--vocab", "512", "--seq-len", "64", "--steps", "1"], cwd=ts.REPO, env=ts.env(),
-                          capture_output=True, text=True, timeout=900)
+    # hidden 256: 4 heads and 2 kv heads, which cp=2 divides.
+    proc = subprocess.run([sys.executable, "-m", "train.bench", "--levers", "--json", "--hidden", "256", "--layers",
+                           "2", "--vocab", "512", "--seq-len", "64", "--steps", "1", "--cp-seq-len", "512"],
+                          cwd=ts.REPO, env=ts.env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["lever"]: r for r in report["results"]}
-    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile"]
+    assert list(rows) == ["plain", "ac", "ac_offloading", "chunked_logprobs", "lora", "compile", "cp"]
+    cp = rows.pop("cp")
+    # cp=2 against cp=1 on the same 2 processes: one sequence per step instead of two, each rank
+    # holding half of it, so the step allocates less per rank.
+    assert cp["tokens_per_step"] == 512 and cp["baseline"]["tokens_per_step"] == 1024
+    assert cp["step_allocations_mb_ratio"] == pytest.approx(cp["step_allocations_mb"] /
+                                                            cp["baseline"]["step_allocations_mb"])
+    assert cp["step_allocations_mb_ratio"] < 1
     assert rows["plain"]["tokens_per_s_ratio"] == 1.0 and rows["plain"]["peak_memory_mb_ratio"] == 1.0
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
