@@ -114,6 +114,10 @@ def worker(model: Path, out: Path) -> None:
             with torch.no_grad():
                 logp, _ = t.model(mb.input_ids, mb.attention_mask, mb.targets)
             save_file({"logp": logp.contiguous()}, str(out / f"cp{cp}-logp-{info.rank}.safetensors"))
+            # Generation (SFT's evaluation) runs whole left-padded prompts on each rank: plain attention.
+            prompts = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+            generated = t.policy.generate(prompts, (prompts != 0).long(), max_new_tokens=6, pad_token_id=0,
+                                          eos_token_id=2, synced=True)
             sgd = GradientsSeen(t.params)
             # cp=1: both ranks hold the micro-batch, two data ranks; cp=2: one data rank.
             tokens = mb.completion_tokens * (2 if cp == 1 else 1)
@@ -124,6 +128,7 @@ def worker(model: Path, out: Path) -> None:
             if info.is_main:
                 save_file({n: g.contiguous() for n, g in grads.items()}, str(out / f"cp{cp}-grads.safetensors"))
             results[f"cp{cp}-{info.rank}"] = {"saved_bytes": saved.total, "loss": metrics.loss,
+                                              "generated": generated.tolist(),
                                               "completion_tokens": metrics.completion_tokens,
                                               "tokens": metrics.tokens}
         all_results = [None] * info.world_size
@@ -170,6 +175,13 @@ def test_cp2_logprobs_and_gradients_equal_cp1_on_4k_token_rows(launched):
     assert results["cp2-0"]["completion_tokens"] == mb.completion_tokens
     assert results["cp1-0"]["completion_tokens"] == 2 * mb.completion_tokens
     assert abs(results["cp2-0"]["loss"] - results["cp1-0"]["loss"]) <= 1e-5 * abs(results["cp1-0"]["loss"])
+
+
+def test_generation_under_cp2_runs_whole_sequences_as_cp1_does(launched):
+    _, _, results = launched
+    for rank in range(2):
+        assert results[f"cp2-{rank}"]["generated"] == results[f"cp1-{rank}"]["generated"]
+    assert len(results["cp1-0"]["generated"][0]) > 5
 
 
 def test_cp2_saves_about_half_the_activation_bytes_per_rank(launched):

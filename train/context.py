@@ -23,7 +23,9 @@ same update as cp=1 on the same global batch.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -64,6 +66,16 @@ class ContextParallel:
     def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         start, stop, _ = self.span(input_ids.shape[1])
         return torch.arange(start, stop, device=input_ids.device).unsqueeze(0).expand(input_ids.shape[0], -1)
+
+    @contextlib.contextmanager
+    def whole_sequences(self, lm: torch.nn.Module) -> Iterator[None]:
+        """Plain SDPA (with transformers' own masks) while every rank runs whole sequences of its
+        own, as generation does (left-padded prompts, a KV cache); Ulysses again afterwards."""
+        lm.config._attn_implementation = "sdpa"
+        try:
+            yield
+        finally:
+            lm.config._attn_implementation = ULYSSES
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, h, S, D] (this rank's positions, all heads) -> [B, h/cp, cp*S, D] (all positions of

@@ -105,9 +105,11 @@ class Policy(nn.Module):
         """Greedy continuation of left-padded prompts. Under FSDP2 this is registered as a forward
         method, so the root's parameters are gathered for it; `synced` keeps every rank stepping
         until all ranks are done, since each step's forward is a collective."""
-        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                                eos_token_id=eos_token_id, synced_gpus=synced, use_cache=True)
+        whole = self.context.whole_sequences(self.lm) if self.context is not None else contextlib.nullcontext()
+        with whole:
+            return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                    max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                                    eos_token_id=eos_token_id, synced_gpus=synced, use_cache=True)
 
 
 def named_master_params(policy: Policy) -> list[tuple[str, nn.Parameter]]:
