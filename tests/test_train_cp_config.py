@@ -54,6 +54,9 @@ def test_impossible_degrees_and_unsplittable_attention_are_refused_with_the_rule
 def test_a_qwen2_config_with_sliding_window_switched_off_is_plain_attention():
     check_cp_heads(2, {"model_type": "qwen2", "num_attention_heads": 8, "num_key_value_heads": 2,
                        "sliding_window": 4096, "use_sliding_window": False}, "sdpa")
+    # layer_types, where a config has them, decide: a window size alone does not slide.
+    check_cp_heads(2, {"model_type": "qwen3", "num_attention_heads": 8, "num_key_value_heads": 2,
+                       "sliding_window": 4096, "layer_types": ["full_attention"] * 4}, "sdpa")
 
 
 @pytest.mark.parametrize("levers,named", [

@@ -43,7 +43,10 @@ def check_cp_heads(cp: int, config: dict, attn: str) -> None:
                           f"train.attn={attn}; set train.attn=sdpa or train.cp=1")
     kind = config.get("model_type", "this model")
     kinds = set(config.get("layer_types") or [])
-    sliding = kinds - {"full_attention"} or (config.get("sliding_window") and config.get("use_sliding_window", True))
+    # transformers 5 names each layer's attention in layer_types; older configs only say whether
+    # their sliding_window is in use.
+    sliding = bool(kinds - {"full_attention"}) if kinds else \
+        bool(config.get("sliding_window") and config.get("use_sliding_window", True))
     if sliding:
         raise ConfigError(f"train.cp={cp}: {kind}'s attention is not plain causal attention (layer types "
                           f"{sorted(kinds) or ['sliding window']}), which the context-parallel exchange computes "
