@@ -1,14 +1,15 @@
 """The `cp` row of `python -m bench --what levers`: context parallelism (train.cp=2, Ulysses)
 against cp=1, both on 2 torchrun processes, on `--cp-seq-len`-token sequences (8192).
 
-Both launches run `train.trainer --bench` on the same small Llama with the chunked LM head. With
+Both launches run `train.trainer --bench` on the same small Llama with the chunked LM head
+(256-token chunks). With
 cp=1 the 2 processes are 2 data ranks, each training its own sequence per step; with cp=2 they
 are one CP group splitting one sequence, so a step holds half the tokens and each rank half of
 them again. Reported per rank 0, as ratios to cp=1: the step's tensor allocations beyond the
 resident state (activations, logits, gathered weights, gradients; the PyTorch profiler, as for
 the other rows), tokens/s of the whole step and peak RSS. The target of the row: allocations
-ratio <= 0.65 (half the positions per rank, plus what does not split: gathered weights and the
-all-to-all buffers).
+ratio <= 0.65 (half the positions per rank, plus what does not split: gathered weights, the
+head's chunk buffers, gradients and the all-to-all buffers).
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from coordination.procgroup import start_child
 from train.launch import torchrun_command, torchrun_env
 
 REPO = Path(__file__).resolve().parents[1]
-CP_LEVERS = ["fused_lm_head_token_chunk_size=auto"]
+# A fixed head chunk: its [chunk, vocab] buffers are the same at any length, and 256 tokens keeps
+# them small beside the activations that context parallelism splits.
+CP_LEVERS = ["fused_lm_head_token_chunk_size=256"]
 TARGET_RATIO = 0.65
 
 
