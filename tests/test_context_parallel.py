@@ -28,6 +28,10 @@ import torch
 
 from tests import train_support as ts
 
+# Two processes over 4096-token rows take about a minute on 2 loaded cores: the slow tier.
+# tests/test_context_parallel_slices.py checks the slicing arithmetic in the default tier.
+pytestmark = pytest.mark.slow
+
 SEQ = 4096
 LENGTHS = (4096, 3000)
 LOGP_TOL = 1e-5
