@@ -2,14 +2,13 @@
 in the config, at launch and by the dry run (exit 2, rule context-parallel-degree)."""
 from __future__ import annotations
 
-import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from coordination.config import ConfigError, from_dict
 from tests.test_run_cli import RUN, env
+from tests.test_train_ep_config import _config
 from train.config import TrainConfig
 from train.context_rules import check_cp_heads, check_cp_launch, check_cp_node, check_cp_world
 
@@ -71,12 +70,6 @@ def test_levers_context_parallelism_does_not_combine_with_are_refused_in_the_con
     with pytest.raises(ConfigError) as exc:
         from_dict(TrainConfig, {"cp": 2, **levers})
     assert named in str(exc.value)
-
-
-def _config(folder: Path, **fields) -> Path:
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(fields))
-    return folder
 
 
 def test_launch_check_reads_the_heads_from_the_model_folder(tmp_path):
