@@ -4,8 +4,10 @@ A small Llama (about 40M parameters by default: hidden 512, 8 layers, vocabulary
 on fake 1,024-token sequences through `python -m train.trainer --bench`, once per configuration,
 each in a fresh process: plain (all logits at once), ac (every block checkpointed),
 ac_offloading, chunked logprobs, LoRA (rank 16 on every projection) and torch.compile; then `ep`,
-the tiny MoE at train.ep=2 against ep=1 on 2 processes (bench/levers_ep.py). Reported
-per configuration, and as a ratio to plain from the same run:
+the tiny MoE at train.ep=2 against ep=1 on 2 processes (bench/levers_ep.py); last, the `cp` row
+(bench/context_levers.py: train.cp=2 against cp=1 on 2 processes and 8k-token sequences, its
+ratios to that cp=1 run; `--cp-seq-len 0` leaves it out). Reported per configuration, and as a
+ratio to plain from the same run:
 
 - tokens/s: mean over the measured steps (after warm-up, which includes compilation);
 - peak memory of a step: the tensors resident when a step starts (parameters, buffers,
@@ -34,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.levers_ep import run_ep_row
+from bench.context_levers import run_cp_row
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +88,7 @@ def _run(model: Path, overrides: list[str], out: Path, opts: dict[str, Any]) -> 
 def run_levers(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
     model = tmp / "small-llama"
     params = write_small_llama(model, hidden=opts["hidden"], layers=opts["layers"], vocab=opts["vocab"],
-                               seq_len=opts["seq_len"])
+                               seq_len=max(opts["seq_len"], opts["cp_seq_len"]))
     rows = []
     for name, overrides in LEVERS:
         report = _run(model, overrides, tmp / f"{name}.json", opts)
@@ -101,6 +104,8 @@ def run_levers(opts: dict[str, Any], tmp: Path, echo) -> dict[str, Any]:
         for key in ("tokens_per_s", "peak_memory_mb", "step_allocations_mb", "peak_rss_mb"):
             r[f"{key}_ratio"] = r[key] / plain[key]
     rows.append(run_ep_row(opts, tmp, echo))  # its ratios are to ep=1 on 2 processes (bench/levers_ep.py)
+    if opts["cp_seq_len"]:
+        rows.append(run_cp_row(model, opts, tmp, echo))  # its ratios are to cp=1 on the same 2 processes
     return {"model": {"parameters": params, "hidden": opts["hidden"], "layers": opts["layers"], "vocab": opts["vocab"]},
             "seq_len": opts["seq_len"], "batch_size": opts["batch_size"], "warmup_steps": opts["warmup_steps"],
             "measured_steps": opts["steps"], "threads_per_process": opts["threads"], "device": "cpu",

@@ -112,6 +112,8 @@ def _run_case(root: Path, model: Path, backend: str, procs: int, opts: dict) -> 
 @click.option("--vocab", default=32000, show_default=True, help="--levers: vocabulary size")
 @click.option("--seq-len", default=1024, show_default=True, help="--levers: tokens per sequence")
 @click.option("--batch-size", default=1, show_default=True, help="--levers: sequences per step")
+@click.option("--cp-seq-len", default=8192, show_default=True,
+              help="--levers: tokens per sequence of the cp row (context parallelism on 2 processes); 0 = no cp row")
 @click.option("--warmup-steps", default=1, show_default=True, help="--levers: warm-up steps (include compilation)")
 @click.option("--steps", default=3, show_default=True, help="--levers: measured steps")
 @click.option("--prompts", default=64, show_default=True, help="groups in the synthetic iteration")

@@ -27,6 +27,7 @@ from rl.plan import RUNS_WHEN, job_plan
 from rollout.engines.vllm_server import build_server
 from rollout.inference import resolve_dtype
 from train.checkpoint_size import checkpoint_size, format_checkpoint_size
+from train.context_rules import context_mesh_line
 from train.memory_plan import engine_on_gpu, format_plan, gpu_visible, make_plan as make_memory_plan
 from train.mesh_layout import mesh_line
 from train.model_shape import ModelShape
@@ -144,6 +145,8 @@ def dry_run(args, cfg, problems: list) -> int:
         text = shlex.join(cmd).replace(f"{addr}:29500", f"{addr}:PORT")
         echo(f"  training (phase 10): {text}")
         echo(f"    {mesh_line(cfg.train, args.num_nodes * cfg.train.nproc_per_node)}")
+        if cfg.train.cp > 1:
+            echo(f"    ({context_mesh_line(cfg.train, args.num_nodes)})")
         echo("    (PORT and the rendezvous id are chosen by the master and sent in a GO: phase 0's for a resident "
                  "trainer's first launch, else phase 9's)")
         if plan.resident_trainer:
@@ -158,7 +161,8 @@ def dry_run(args, cfg, problems: list) -> int:
 
 def _refusals(args, problems: list) -> list[str]:
     """Every input rule that failed, and the log path checks of a start that write nothing."""
-    refused = [str(p) for p in problems]
+    # The rule's name leads, so a refusal can be looked up in rl/validate's table.
+    refused = [f"{p.rule}: {p}" if hasattr(p, "rule") else str(p) for p in problems]
     try:
         check_log_path_safe(args.log_path)
     except JoinRefused as exc:

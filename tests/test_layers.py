@@ -49,6 +49,8 @@ LATE_IMPORTS = {
     "train/batches.py": "torch only where tensors are built: the driver prepares batches without torch",
     "train/benchmark.py": "rl/run_cli imports it for its options: torch, numpy, rich and the torch-side train "
                           "modules load when a benchmark runs",
+    "train/context.py": "transformers (about 1 s beyond torch; train.model imports this module) only when "
+                        "train.cp > 1 registers its attention",
     "train/export.py": "transformers (the tokenizer copy) and torch.distributed.fsdp only on the paths that use them",
     "train/lora.py": "peft, safetensors and transformers only when LoRA is configured",
     "rollout/envs/__init__.py": "its call pool (calls.py) imports pyarrow through rollout.chunks; run.sh's input "

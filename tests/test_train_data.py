@@ -6,6 +6,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from coordination.config import ConfigError
 from coordination.layout import RunLayout
 from coordination.records import read_record
 from rollout import store
@@ -160,3 +161,23 @@ def test_a_group_with_a_timed_out_reward_is_not_trained_on(tmp_path):
     kept = {r["task_id"] for s in plan["shards"]
             for rows_ in read_shard(layout.training_dir(1) / s["file"], s["sha256"]).values() for r in rows_}
     assert kept == {"t2", "t4", "t5"}
+
+
+def test_with_cp_the_ranks_of_a_group_get_the_same_rows_packed_for_world_over_cp_data_ranks(tmp_path):
+    layout = RunLayout(tmp_path)
+    _write(layout, _mixed_rows())
+    cfg = TrainConfig(steps_per_iteration=2, micro_batch_tokens=16, cp=2)
+    plan = read_plan(_prepare(layout, cfg, world_size=4))
+    shards = [read_shard(layout.training_dir(1) / s["file"], s["sha256"]) for s in plan["shards"]]
+    assert len(shards) == 4
+    assert shards[0] == shards[1] and shards[2] == shards[3] and shards[0] != shards[2]
+    # Each sample once over the two data ranks (ranks 0 and 2), as a 2-rank plan without cp packs it.
+    for step_no, step in enumerate(plan["steps"]):
+        rows = [r for shard in (shards[0], shards[2]) for (st, _), rs in shard.items() if st == step_no for r in rs]
+        assert len(rows) == step["samples"]
+    flat_layout = RunLayout(tmp_path / "flat")
+    _write(flat_layout, _mixed_rows())
+    flat = read_plan(_prepare(flat_layout, TrainConfig(steps_per_iteration=2, micro_batch_tokens=16), world_size=2))
+    assert [s["micro_batches_per_rank"] for s in flat["steps"]] == [s["micro_batches_per_rank"] for s in plan["steps"]]
+    with pytest.raises(ConfigError, match="train.cp=2 does not divide the number of trainer processes \\(3"):
+        _prepare(RunLayout(tmp_path / "odd"), cfg, world_size=3)

@@ -121,9 +121,10 @@ def _planned_moe_peak_mb(tmp_path: Path, ep: int) -> float:
 def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     import subprocess
 
+    # The cp row is tested on its own below (it needs heads that 2 divides).
     proc = subprocess.run([sys.executable, "-m", "train.bench", "--levers", "--json", "--hidden", "64", "--layers",
-                           "2", "--vocab", "512", "--seq-len", "64", "--steps", "1"], cwd=ts.REPO, env=ts.env(),
-                          capture_output=True, text=True, timeout=900)
+                           "2", "--vocab", "512", "--seq-len", "64", "--steps", "1", "--cp-seq-len", "0"],
+                          cwd=ts.REPO, env=ts.env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["lever"]: r for r in report["results"]}
@@ -145,6 +146,23 @@ def test_lever_benchmark_reports_every_lever_as_a_ratio_to_plain(tmp_path):
     assert rows["ac"]["step_allocations_mb"] < rows["plain"]["step_allocations_mb"]
     assert rows["chunked_logprobs"]["step_allocations_mb"] < rows["plain"]["step_allocations_mb"]
     assert rows["lora"]["trained_parameters"] < rows["plain"]["trained_parameters"]
+
+
+@pytest.mark.slow
+def test_cp_row_compares_cp2_with_cp1_on_the_same_two_processes(tmp_path):
+    from bench.context_levers import run_cp_row
+    from bench.levers import write_small_llama
+
+    # hidden 256: 4 heads and 2 kv heads, which cp=2 divides.
+    write_small_llama(tmp_path / "m", hidden=256, layers=2, vocab=512, seq_len=512)
+    row = run_cp_row(tmp_path / "m", {"cp_seq_len": 512, "warmup_steps": 1, "steps": 1, "threads": 1,
+                                      "timeout": 600}, tmp_path, echo=lambda _: None)
+    # One sequence per step instead of two, each rank holding half of it: less allocated per rank.
+    assert row["lever"] == "cp" and row["overrides"][-1] == "cp=2" and row["baseline"]["overrides"][-1] == "cp=1"
+    assert row["tokens_per_step"] == 512 and row["baseline"]["tokens_per_step"] == 1024
+    assert row["step_allocations_mb_ratio"] == pytest.approx(row["step_allocations_mb"] /
+                                                             row["baseline"]["step_allocations_mb"])
+    assert row["step_allocations_mb_ratio"] < 1 and row["tokens_per_s"] > 0
 
 
 def test_run_sh_bench_runs_the_benchmark_as_one_torchrun_over_two_nodes(procs, tmp_path):

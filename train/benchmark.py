@@ -140,8 +140,10 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
     settings = StepSettings(algorithm=algorithm, backend=cfg.backend, dtype=t.dtype, grad_clip=cfg.grad_clip)
     pad_id = lm.config.pad_token_id if lm.config.pad_token_id is not None else 0
     vocab = lm.get_output_embeddings().weight.shape[0]
-    rng = np.random.default_rng([cfg.seed, info.rank])
-    completion = (seq_len - max(1, seq_len // 4)) * batch * micro * info.world_size
+    # The cp ranks of a context-parallel group train on the same sequences (train/context.py).
+    data_ranks = info.world_size // cfg.cp
+    rng = np.random.default_rng([cfg.seed, info.rank // cfg.cp])
+    completion = (seq_len - max(1, seq_len // 4)) * batch * micro * data_ranks
     memory_before = torch.cuda.memory_allocated(info.device) / 2**20 if info.device.type == "cuda" else rss_mb()
     t.model.train()
     rows = []
@@ -172,7 +174,7 @@ def run_bench(cfg, opts: dict[str, Any], info, *, entry: str, algorithm: str) ->
             "parameters": parameters, "trained_parameters": sum(p.numel() for p in t.params),
             "device": info.device.type, "device_name": device_name, "world_size": info.world_size,
             "dtype": str(t.dtype).removeprefix("torch."), "seq_len": seq_len, "batch_size": batch,
-            "micro_batches": micro, "tokens_per_step": seq_len * batch * micro * info.world_size,
+            "micro_batches": micro, "tokens_per_step": seq_len * batch * micro * data_ranks,
             "warmup_steps": opts["bench_warmup_steps"], "measured_steps": opts["bench_steps"],
             "flops_per_token": flops_token, "peak_tflops": peak, "memory_before_steps_mb": memory_before,
             "config": to_dict(cfg), "steps": rows,

@@ -20,6 +20,7 @@ from typing import Literal
 
 from coordination.config import ConfigError, non_negative, option, positive, section
 from rollout.model_config import model_experts
+from train.context_rules import check_cp_levers
 
 # GRPO's clip range (DAPO's asymmetric "clip higher"): the one place the defaults are written;
 # train/step.py and train/loss.py take them from here.
@@ -262,6 +263,10 @@ class TrainConfig:
         1, "expert-parallel degree for mixture-of-experts models (Qwen3-MoE): each MoE layer's experts are split "
            "over groups of ep ranks and tokens travel to their experts' rank by all-to-all; must divide the number "
            "of trainer processes and the experts per layer. Needs backend=fsdp and dp_replicate=1 (1 = off)")
+    cp: int = option(
+        1, "context-parallel degree (Ulysses): each micro-batch's sequences are split along the tokens over cp "
+           "ranks of one node, which exchange heads for positions by all-to-all around attention; must divide "
+           "train.nproc_per_node and the model's attention and kv heads. Needs backend=fsdp, attn=sdpa (1 = off)")
     attn: Literal["sdpa", "flash_attention_2", "eager"] = option(
         "sdpa", "attention implementation of transformers: sdpa (PyTorch), flash_attention_2 (needs the flash-attn "
                 "package and CUDA), eager (reference)")
@@ -315,6 +320,7 @@ class TrainConfig:
             raise ConfigError("train.dp_replicate and train.fsdp_cpu_offload are FSDP2 options but train.backend=ddp; "
                               "set train.backend=fsdp or drop them")
         check_ep_levers(self)
+        check_cp_levers(self)
         chunk = self.fused_lm_head_token_chunk_size
         if isinstance(chunk, int) and chunk < 1:
             raise ConfigError(f"train.fused_lm_head_token_chunk_size must be auto, disabled or a positive number of "

@@ -31,6 +31,7 @@ from rollout.rewards import TIMED_OUT
 from train.advantages import Selection, grpo_selection, rft_selection
 from train.batches import sha256_of, write_shard
 from train.config import TrainConfig, check_world_size
+from train.context_rules import check_cp_world
 from train.packing import pack_step, split_steps
 
 _log = logging.getLogger("baton.train.data")
@@ -94,7 +95,9 @@ def _read_trajectories(path: Path, iteration: int, run_id: str) -> dict[str, lis
 
 def _plan_steps(rows: dict[str, list], kept: list[tuple[int, float]], cfg: TrainConfig, world_size: int,
                 seed: list[int]) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
-    """Shuffle, cut into optimizer steps, pack each step for the ranks: (steps, shard rows per rank)."""
+    """Shuffle, cut into optimizer steps, pack each step for the ranks: (steps, shard rows per rank).
+    Under context parallelism a step is packed for world_size / cp data ranks and the cp ranks of
+    a group get the same rows (each trains on its own slice of their positions, train/context.py)."""
     rng = np.random.default_rng(seed)
     parts: list[list[tuple[int, float]]] = []
     for _ in range(cfg.epochs if kept else 0):
@@ -105,9 +108,9 @@ def _plan_steps(rows: dict[str, list], kept: list[tuple[int, float]], cfg: Train
     for step, part in enumerate(parts):
         lengths = [len(rows["prompt_ids"][i]) + len(rows["completion_ids"][i]) for i, _ in part]
         advantage = dict(part)
-        pack = pack_step([i for i, _ in part], lengths, budget=cfg.micro_batch_tokens, world_size=world_size)
-        for rank, micro_batches in enumerate(pack.ranks):
-            for m, members in enumerate(micro_batches):
+        pack = pack_step([i for i, _ in part], lengths, budget=cfg.micro_batch_tokens, world_size=world_size // cfg.cp)
+        for rank in range(world_size):
+            for m, members in enumerate(pack.ranks[rank // cfg.cp]):
                 shard_rows[rank].extend({
                     "step": step, "micro_batch": m, "task_id": rows["task_id"][i],
                     "sample_index": rows["sample_index"][i], "prompt_ids": rows["prompt_ids"][i],
@@ -152,6 +155,7 @@ def prepare_training_data(layout: RunLayout, iteration: int, cfg: TrainConfig, *
         raise TrainingDataError(f"world_size must be at least 1 (got {world_size})")
     if cfg.backend == "fsdp":
         check_world_size(cfg.dp_replicate, world_size)   # fail here, before every node launches torchrun
+    check_cp_world(cfg.cp, world_size)
 
     source = layout.rollout_all("train", iteration)
     rows = _read_trajectories(source, iteration, run_id)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from train.chunked_head import chunked_logprobs_and_entropy
+from train.context import ContextParallel, check_right_padded
 from train.loss import token_logprobs_and_entropy
 
 
@@ -63,24 +64,39 @@ class Policy(nn.Module):
     """forward(input_ids, attention_mask, targets, temperature) -> (logp, entropy), both [B, T-1].
 
     `head_chunk`: tokens per chunk of the chunked LM head (None = all logits at once);
-    `activation_offload`: a context (train/offload.py) the forward runs in, or None."""
+    `activation_offload`: a context (train/offload.py) the forward runs in, or None;
+    `context`: this rank's place in a context-parallel group (train/context.py), or None. With it,
+    logp and entropy cover only this rank's slice of the positions ([B, S], `context.local`)."""
 
     def __init__(self, lm: nn.Module, *, head_chunk: int | None = None,
-                 activation_offload: contextlib.AbstractContextManager | None = None):
+                 activation_offload: contextlib.AbstractContextManager | None = None,
+                 context: ContextParallel | None = None):
         super().__init__()
         self.lm = lm
         self.head_chunk = head_chunk
         self.activation_offload = activation_offload
+        self.context = context
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         body = getattr(self.lm, self.lm.base_model_prefix)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        cp = self.context
+        if cp is not None:
+            check_right_padded(attention_mask)
+            # Causality hides the padding (train/context.py), so no mask; the slice's rotary
+            # positions are its global ones.
+            inputs = {"input_ids": cp.local(input_ids), "position_ids": cp.positions(input_ids),
+                      "context_parallel": cp}
+            targets = cp.predictions(targets)
         with self.activation_offload if self.activation_offload is not None else contextlib.nullcontext():
-            hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            hidden = body(**inputs, use_cache=False).last_hidden_state
+            if cp is None:
+                hidden = hidden[:, :-1]
             head = self.lm.get_output_embeddings()
             if self.head_chunk is not None:
-                return chunked_logprobs_and_entropy(hidden[:, :-1], head, targets, temperature, self.head_chunk)
-            return token_logprobs_and_entropy(hidden[:, :-1], head, targets, temperature)
+                return chunked_logprobs_and_entropy(hidden, head, targets, temperature, self.head_chunk)
+            return token_logprobs_and_entropy(hidden, head, targets, temperature)
 
 
     @torch.no_grad()
@@ -89,9 +105,11 @@ class Policy(nn.Module):
         """Greedy continuation of left-padded prompts. Under FSDP2 this is registered as a forward
         method, so the root's parameters are gathered for it; `synced` keeps every rank stepping
         until all ranks are done, since each step's forward is a collective."""
-        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                                eos_token_id=eos_token_id, synced_gpus=synced, use_cache=True)
+        whole = self.context.whole_sequences(self.lm) if self.context is not None else contextlib.nullcontext()
+        with whole:
+            return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                    max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                                    eos_token_id=eos_token_id, synced_gpus=synced, use_cache=True)
 
 
 def named_master_params(policy: Policy) -> list[tuple[str, nn.Parameter]]:

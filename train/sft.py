@@ -65,12 +65,14 @@ def eval_due(step: int, accuracy: float | None, opts: dict) -> bool:
     return step % (min(opts["eval_every"], opts["eval_every_near"]) if near else opts["eval_every"]) == 0
 
 
-def _micro_batches(examples, batch: list[int], info, budget: int, pad_id: int):
+def _micro_batches(examples, batch: list[int], info, budget: int, pad_id: int, cp: int):
     """This rank's micro-batches of a global batch (every rank packs the same batch identically)."""
     from train.batches import collate
 
-    pack = pack_step(batch, [len(examples[i]) for i in batch], budget=budget, world_size=info.world_size)
-    mine = pack.ranks[info.rank] + [[]] * (pack.micro_batches_per_rank - len(pack.ranks[info.rank]))
+    # The cp ranks of a context-parallel group share one data rank's micro-batches.
+    pack = pack_step(batch, [len(examples[i]) for i in batch], budget=budget, world_size=info.world_size // cp)
+    ours = pack.ranks[info.rank // cp]
+    mine = ours + [[]] * (pack.micro_batches_per_rank - len(ours))
     return [collate([{"prompt_ids": examples[i].prompt_ids, "completion_ids": examples[i].completion_ids}
                      for i in members], pad_id) for members in mine]
 
@@ -114,7 +116,7 @@ def _train(opts: dict, cfg, info) -> dict:
             lr = lr_at(step - 1, lr=cfg.lr, schedule="constant", warmup_steps=cfg.warmup_steps, decay_steps=0,
                        min_ratio=1.0)
             metrics = train_step(model, params, optimizer,
-                                 _micro_batches(examples, batch, info, cfg.micro_batch_tokens, pad_id), lr=lr,
+                                 _micro_batches(examples, batch, info, cfg.micro_batch_tokens, pad_id, cfg.cp), lr=lr,
                                  global_completion_tokens=sum(len(examples[i].completion_ids) for i in batch),
                                  settings=settings, info=info, router_loss=t.router_loss)
             losses.append([step, round(metrics.loss, 5)])

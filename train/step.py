@@ -8,7 +8,9 @@ exactly d(sum of all token losses / global tokens), whatever the number of ranks
 order), and DDP and FSDP2 agree. A mixture-of-experts model that asks for its load-balancing loss
 adds `router_aux_loss_coef` times the mean over micro-batches of each global micro-batch's aux
 loss (train/router_loss.py), to the gradient and to the logged loss; `aux_loss` logs the aux
-loss itself.
+loss itself. Under context parallelism (train/context.py) each rank of a CP group sums the loss
+of its own slice of the group's micro-batch: over all ranks every token is still counted once, so
+the same scale holds; the micro-batch's token counts are counted by the group's first rank only.
 """
 from __future__ import annotations
 
@@ -98,8 +100,13 @@ def train_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.op
     scale = info.world_size / global_completion_tokens
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0, "completion_tokens": 0.0}
     aux_sum = 0.0
+    cp = getattr(getattr(model, "module", model), "context", None)
     for k, mb in enumerate(micro_batches):
         mb = mb.to(info.device)
+        per_token = mb.loss_mask, mb.old_logprobs, mb.advantages
+        if cp is not None:
+            per_token = tuple(cp.predictions(t) for t in per_token)
+        loss_mask, old_logprobs, advantages = per_token
         with accumulation_context(model, settings.backend, last=k == len(micro_batches) - 1):
             with compute_context(settings.backend, settings.dtype, info.device):
                 with router_loss.capture() if router_loss is not None else contextlib.nullcontext():
@@ -108,8 +115,8 @@ def train_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.op
                 if reference is not None:
                     with torch.no_grad():
                         ref_logp, _ = reference(mb.input_ids, mb.attention_mask, mb.targets, settings.temperature)
-                parts = micro_batch_loss(logp.float(), entropy.float(), mb.loss_mask, algorithm=settings.algorithm,
-                                         old_logp=mb.old_logprobs, advantages=mb.advantages,
+                parts = micro_batch_loss(logp.float(), entropy.float(), loss_mask, algorithm=settings.algorithm,
+                                         old_logp=old_logprobs, advantages=advantages,
                                          ref_logp=None if ref_logp is None else ref_logp.float(),
                                          clip_low=settings.clip_low, clip_high=settings.clip_high,
                                          kl_coef=settings.kl_coef)
@@ -125,8 +132,9 @@ def train_step(model: nn.Module, params: list[nn.Parameter], optimizer: torch.op
         sums["clipped"] += parts.clipped
         sums["kl"] += parts.kl
         sums["entropy"] += parts.entropy
-        sums["tokens"] += mb.tokens if mb.completion_tokens else 0
-        sums["completion_tokens"] += mb.completion_tokens
+        if cp is None or cp.index == 0:
+            sums["tokens"] += mb.tokens if mb.completion_tokens else 0
+            sums["completion_tokens"] += mb.completion_tokens
     grad_norm = clip_grad_norm(params, settings.grad_clip)
     if not math.isfinite(grad_norm):
         raise TrainingDiverged(f"gradient norm is {grad_norm} (lr {lr:.2e}); the update was not applied. "

@@ -1,5 +1,5 @@
 """How much GPU memory one trainer process needs, from the model's shape and the `train` levers
-(docs/design.md §10.5 has two worked examples with the arithmetic). FSDP2 shards over
+(docs/design.md §10.5 has worked examples with the arithmetic). FSDP2 shards over
 dp_shard = processes / dp_replicate ranks; DDP holds everything on every rank. d is the compute
 dtype's bytes (2 for bf16), P the parameters, V x h the LM head.
 
@@ -13,7 +13,9 @@ Held from forward through backward:
   gradients plus its float32 buckets;
 - AdamW state: two float32 moments, 8 B x trained / dp_shard (host with fsdp_cpu_offload; with
   optim_cpu_offload only during the step);
-- activations kept for backward: T = micro_batch_tokens tokens x (per block: A without
+- activations kept for backward: T = micro_batch_tokens tokens (micro_batch_tokens / cp under
+  context parallelism, whose backward also holds one layer's all-to-all send and receive copies
+  of q, k and v or their gradients, 2 d (hq + 2 kv) T) x (per block: A without
   checkpointing, its input d h under full checkpointing, plus its targets' outputs under selective)
   plus the final norm's (4 + 2d) h. A Llama block (hidden h, query width hq, key/value width kv,
   MLP width i) keeps per token A = 2(4 + d)h (two RMSNorms: fp32 input, normalised output)
@@ -162,9 +164,9 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
     optim = 0.0 if host else 8 * per_rank(trained)
     where = on_host or (" (on host between steps)" if train.optim_cpu_offload else "")
     rows.append((f"AdamW state: 2 x fp32, 1/{shard} shard{where}", 0.0 if train.optim_cpu_offload else optim))
-    tokens = train.micro_batch_tokens
+    tokens, cp_label = _tokens_per_rank(train)
     kept, working, what = _activations(shape, train, d, tokens)
-    rows.append((f"activations kept: {tokens} tokens, {what}", kept))
+    rows.append((f"activations kept: {tokens} tokens{cp_label}, {what}", kept))
     reference = 0.0
     if train.kl_coef > 0:
         reference = 0.0 if host else 4 * per_rank(p)
@@ -186,6 +188,9 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
         head.append(("LM head weight gradient: fp32 sum + a chunk's product" if chunk else
                      f"LM head weight gradient: {d}-byte", head_grad))
     block: Rows = [("activations of the block recomputed", working)] if working else []
+    if cp_label:
+        block.append(("all-to-all buffers (ulysses): one layer's q, k, v or their gradients, sent and received",
+                      2 * d * (shape.q_width + 2 * shape.kv_width) * tokens))
     if fsdp:
         block.append((f"its unsharded gradient: {d}-byte{', fp32 cast' if cast else ''}, fp32 reduce-scatter input",
                       (d + cast + 4) * trained_block))
@@ -206,6 +211,15 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
     other_kept, _, other_what = _activations(shape, replace(train, ac=other), d, tokens)
     notes.append(f"activations kept with {other_what}: {other_kept / GIB:.2f} GiB")
     return TrainerMemory(rows, head, block, step, notes)
+
+
+def _tokens_per_rank(train: Any) -> tuple[int, str]:
+    """The positions of a micro-batch one rank holds: all of them, or 1/cp under context
+    parallelism (train/context.py), which splits every activation along the tokens."""
+    cp = getattr(train, "cp", 1)
+    if cp == 1:
+        return train.micro_batch_tokens, ""
+    return -(-train.micro_batch_tokens // cp), f" (1/{cp} of {train.micro_batch_tokens}: context parallel)"
 
 
 def rollout_residue(train: Any, trainer: TrainerMemory) -> tuple[str, float]:

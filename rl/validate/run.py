@@ -18,6 +18,7 @@ from rollout.rewards import RewardError, check_reward
 from rollout.tasks import TaskFileError
 from train.config import check_ep_launch, check_world_size
 from train.lora_targets import check_moe_lora_targets
+from train.context_rules import check_cp_launch
 from train.memory_check import check_memory
 
 
@@ -99,6 +100,12 @@ def lora_targets_moe(r: RunInputs) -> str | None:
     if not (r.args.kind.trains and train.lora.rank and str(r.cfg.model.path) and config.is_file()):
         return None
     return by_message(lambda: check_moe_lora_targets(train.lora, json.loads(config.read_text())))
+def context_parallel_degree(r: RunInputs) -> str | None:
+    """train.cp stays within a node, divides the trainer processes and the model's heads and kv
+    heads, on a model whose attention is plain causal attention."""
+    if not r.args.kind.trains:
+        return None
+    return by_message(lambda: check_cp_launch(r.cfg.train, r.args.num_nodes, r.cfg.model.path))
 
 
 def flash_attn_installed(r: RunInputs) -> str | None:
@@ -209,6 +216,7 @@ RUN_RULES: tuple[Rule, ...] = (
     Rule("trainer-world-size", trainer_world_size),
     Rule("expert-parallel-degree", expert_parallel_degree),
     Rule("lora-targets-moe", lora_targets_moe),
+    Rule("context-parallel-degree", context_parallel_degree),
     Rule("flash-attn-installed", flash_attn_installed),
     Rule("task-files", task_files),
     Rule("reward-scores", reward_scores, needs=("task-files",)),
