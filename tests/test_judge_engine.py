@@ -8,7 +8,6 @@ import pytest
 from coordination.layout import RunLayout
 from rollout import store
 from rollout.config import RolloutConfig
-from rollout.envs import Step
 from rollout.inference import InferenceConfig
 from rollout.judge.config import JudgeConfig
 from rollout.judge.engine import open_judge
@@ -17,6 +16,7 @@ from rollout.rewards import load_reward
 from rollout.scoring import Scoring
 from rollout.tasks import Task
 from rollout.worker import RolloutTarget, Sampler, rollout_rank, sampling_for
+from tests.e2e_envs import Talk
 from train.tiny import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -27,18 +27,6 @@ TEMPLATE = "{task}{answer}="
 def char_score(text: str) -> float:
     """The tiny judge model writes no numbers: score its answer by its characters."""
     return sum(map(ord, text)) % 97 / 10
-
-
-class TwoTurns:
-    def __init__(self, task):
-        self.task, self.n = task, 0
-
-    def reset(self):
-        return [{"role": "user", "content": self.task["prompt"]}]
-
-    def step(self, text):
-        self.n += 1
-        return Step([{"role": "user", "content": "1"}], 0.5, self.n == 2)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +41,14 @@ def test_a_second_transformers_engine_judges_each_episode_and_its_score_lands_in
                        max_new_tokens=8, batch_size=3, max_score=100.0)
     sampling, group = sampling_for(cfg, "train")
     layout = RunLayout(tmp_path)
-    tasks = [Task(id=f"t{i}", prompt=f"{i}+{i}=", answer=str(2 * i)) for i in range(3)]
+    tasks = [Task(id=f"t{i}", prompt=f"{i}+{i}=", answer=str(2 * i), extra={"turns": 2}) for i in range(3)]
     judge = open_judge(jcfg, InferenceConfig(), rank=0, log_file=None, start_timeout=60)
     engine = judge.backend.engine
     try:
         assert engine is not tiny_engine and engine.running and engine.model_dir == judge_model
         rollout_rank(RolloutTarget(layout, "train", 1, 0, run_id="r", generation=1, policy_iteration=0),
                      Sampler(tiny_engine, tiny_engine.tokenizer, cfg, load_reward("arithmetic"), sampling, group,
-                             TwoTurns, Scoring("sum", judge=judge)), tasks)
+                             Talk, Scoring("sum", judge=judge)), tasks)
         rows = [r for c in layout.rollout_rank_dir("train", 1, 0).glob("*.parquet") for r in store.read_rows(c)]
         assert len(rows) == 6 and judge.calls == 6 and judge.failed == 0
         # The judge's greedy answer to each episode's prompt, asked again: the score in the row is its parse.
@@ -73,9 +61,9 @@ def test_a_second_transformers_engine_judges_each_episode_and_its_score_lands_in
         assert len({char_score(a) for a in answers}) > 1, "every episode got the same answer: the test proves nothing"
         for r, answer in zip(rows, answers):
             judged = char_score(answer)
-            assert r["reward_parts"] == [{"name": "env", "value": 1.0},
+            assert r["reward_parts"] == [{"name": "env", "value": 0.5},
                                          {"name": "judge", "value": pytest.approx(judged)}]
-            assert r["reward"] == pytest.approx(1.0 + judged)
+            assert r["reward"] == pytest.approx(0.5 + judged)
     finally:
         judge.close()
     assert not engine.running

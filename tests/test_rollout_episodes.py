@@ -19,6 +19,7 @@ from rollout.prompts import ObservationTokens, chat_ids
 from rollout.rewards import load_reward
 from rollout.tasks import Task
 from rollout.worker import RolloutTarget, Sampler, roll_groups, rollout_rank, sampling_for
+from tests.e2e_envs import Talk
 from tests.test_vllm_lifecycle import checkpoint, make, stand_in  # noqa: F401 - fixtures of the stand-in server
 from train.batches import collate
 
@@ -44,20 +45,6 @@ class Recording:
         out = self.inner.generate(prompts, n, sampling)
         self.samples += [s for group in out for s in group]
         return out
-
-
-class Talk:
-    """Answers every turn with `again K` and a step reward of 0.25; done after the task's `turns`."""
-
-    def __init__(self, task):
-        self.task, self.n = task, 0
-
-    def reset(self):
-        return [{"role": "user", "content": self.task["prompt"]}]
-
-    def step(self, text):
-        self.n += 1
-        return Step([{"role": "user", "content": f"again {self.n}"}], 0.25, self.n >= self.task.get("turns", 3))
 
 
 class Raises(Talk):

@@ -167,22 +167,6 @@ def test_a_seed_reproduces_its_samples(engine, tokenizer):
     assert ids(a) == ids(b) and ids(a) != ids(c)
 
 
-class _Talk:
-    """Answers every turn with `again K` and a step reward of 0.25; done after the third turn."""
-
-    def __init__(self, task):
-        self.task, self.n = task, 0
-
-    def reset(self):
-        return [{"role": "user", "content": self.task["prompt"]}]
-
-    def step(self, text):
-        from rollout.envs import Step
-
-        self.n += 1
-        return Step([{"role": "user", "content": f"again {self.n}"}], 0.25, self.n >= 3)
-
-
 def test_multi_turn_episodes_are_token_exact_and_the_trainer_recomputes_their_sampling_logprobs(engine, models,
                                                                                                 tokenizer):
     import torch
@@ -193,12 +177,13 @@ def test_multi_turn_episodes_are_token_exact_and_the_trainer_recomputes_their_sa
     from rollout.rewards import load_reward
     from rollout.tasks import Task
     from rollout.worker import roll_groups
+    from tests.e2e_envs import Talk
     from train.batches import collate
     from train.loss import token_logprobs_and_entropy
 
     tasks = [Task(f"t{i}", text, "0") for i, text in enumerate(PROMPTS)]
     sampling = Sampling(max_new_tokens=8, temperature=TEMPERATURE, seed=21)
-    groups = roll_groups(engine, tokenizer, tasks, 3, sampling, load_reward("arithmetic"), env_factory=_Talk,
+    groups = roll_groups(engine, tokenizer, tasks, 3, sampling, load_reward("arithmetic"), env_factory=Talk,
                          bounds=Bounds(8, 200, 30.0))
     episodes = [e for g in groups for e in g.episodes]
     assert len(episodes) == 12
