@@ -3,6 +3,7 @@ config load, or by the start check judge-ready), and a vLLM judge on the GPUs co
 rollout phase's memory."""
 from __future__ import annotations
 
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from rollout.judge.config import JudgeConfig
 from tests.procs import ROOT, env
 from tests.test_memory_plan import _cfg, _dry_run, _model
 from train.memory_check import check_memory
+from train.memory_plan import format_plan
 
 KEY = "sk-judge-test-0123"
 GIB = 2 ** 30
@@ -52,8 +54,13 @@ def test_a_vllm_judge_on_the_gpus_counts_in_the_rollout_phase_memory(tmp_path):
     model = _model(tmp_path)
     judge = ["tasks.judge.template=rate {answer}", f"tasks.judge.model={model}", "tasks.judge.engine=vllm"]
     # The gpu example rolls out with 0.85 x 80 GiB for the policy's server and 1.5 GiB the trainer keeps.
-    assert check_memory(_cfg(model, *judge, "tasks.judge.gpu_memory_utilization=0.1"), serves=True, trains=True,
-                        num_nodes=2).rollout_total == pytest.approx((0.85 * 80 + 1.5) * GIB)
+    plan = check_memory(_cfg(model, *judge, "tasks.judge.gpu_memory_utilization=0.1"), serves=True, trains=True,
+                        num_nodes=2)
+    assert plan.judge == pytest.approx(0.1 * 80 * GIB)
+    assert plan.rollout_total == pytest.approx((0.85 * 80 + 0.1 * 80 + 1.5) * GIB)
+    table = format_plan(plan)   # what the dry run prints: the judge's row and the phase's sum
+    assert re.search(r"judge's vLLM server, rollout only.* 8\.00\n", table)
+    assert re.search(r"while rolling out \(engine \+ judge \+ trainer\) of 80\.0 GiB: fits +77\.50\n", table)
     with pytest.raises(ConfigError, match=r"while rolling out, the vLLM server \(68.0 GiB = gpu_memory_utilization "
                                           r"0.85 x 80.0 GiB.*\), the judge's vLLM server \(16.0 GiB = tasks.judge."
                                           r"gpu_memory_utilization 0.2 x 80.0 GiB\) and the trainer \(1.5 GiB: .*\) "

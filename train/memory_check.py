@@ -77,14 +77,6 @@ def _ways(fixes: list[str]) -> str:
     return "; no single setting fits: combine them or use more GPUs (scripts/run.sh --dry-run prints the plan)"
 
 
-def judge_share(cfg: Any) -> float:
-    """The fraction of each GPU a judge's vLLM server takes for the rollout phase (0: no judge on
-    the GPUs). It starts with the phase and stops at its end, so it adds to the rollout phase only."""
-    j = cfg.tasks.judge
-    return j.gpu_memory_utilization if (j.enabled and not j.url and j.engine == "vllm"
-                                        and not cfg.inference.vllm.cpu) else 0.0
-
-
 def check_memory(cfg: Any, *, serves: bool, trains: bool, num_nodes: int,
                  debug_mode: bool = False) -> MemoryPlan | None:
     """Refuse (ConfigError) a job that serves an engine on the GPUs it trains on when the two do not
@@ -115,12 +107,12 @@ def check_memory(cfg: Any, *, serves: bool, trains: bool, num_nodes: int,
             f"inference.between_iterations={cfg.inference.between_iterations} keeps during training "
             f"({e.during_training / GIB:.1f} GiB{kept}) need {plan.training_total / GIB:.1f} GiB {per_gpu}"
             f"{_ways(_training_fixes(cfg, plan))}")
-    judge = judge_share(cfg) * gpu
-    if plan.rollout_total + judge > gpu:
+    judge = plan.judge
+    if plan.rollout_total > gpu:
         why, residue = plan.residue
         beside = (f", the judge's vLLM server ({judge / GIB:.1f} GiB = tasks.judge.gpu_memory_utilization "
                   f"{cfg.tasks.judge.gpu_memory_utilization} x {gpu / GIB:.1f} GiB)" if judge else "")
-        room = (gpu - plan.rollout_total) / gpu  # what the judge may take when the rest fits without it
+        room = (gpu - plan.rollout_total + judge) / gpu  # what the judge may take when the rest fits without it
         fixes = _rollout_fixes(cfg, plan) if room <= 0 else [
             f"tasks.judge.gpu_memory_utilization={int(room * 100) / 100:.2f} or less"] if room >= 0.01 else []
         if judge:
@@ -128,7 +120,7 @@ def check_memory(cfg: Any, *, serves: bool, trains: bool, num_nodes: int,
         problems.append(
             f"while rolling out, the vLLM server ({e.budget / GIB:.1f} GiB = {util}, taken when it starts or "
             f"wakes){beside} and the trainer ({residue / GIB:.1f} GiB: {why}) need "
-            f"{(plan.rollout_total + judge) / GIB:.1f} GiB {per_gpu}{_ways(fixes)}")
+            f"{plan.rollout_total / GIB:.1f} GiB {per_gpu}{_ways(fixes)}")
     if problems:
         raise ConfigError("memory plan: " + "; and ".join(problems))
     return plan

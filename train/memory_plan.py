@@ -76,6 +76,7 @@ class MemoryPlan:
     shared: bool                    # engine and trainer on the same GPUs (the job serves and trains)
     residue: tuple[str, float]      # (why, bytes) the trainer keeps beside the rolling-out engine
     disk: CheckpointSize | None     # one checkpoint on disk, when the job trains
+    judge: float = 0.0              # an LLM judge's vLLM server on these GPUs, for the rollout phase only
 
     @property
     def training_total(self) -> float:
@@ -84,12 +85,20 @@ class MemoryPlan:
 
     @property
     def rollout_total(self) -> float:
-        return (self.engine.budget if self.engine else 0.0) + (self.residue[1] if self.shared else 0.0)
+        return (self.engine.budget if self.engine else 0.0) + (self.residue[1] if self.shared else 0.0) + self.judge
 
     @property
     def fits(self) -> bool:
         return max(self.training_total, self.rollout_total) <= self.gpu_bytes and \
             (self.engine is None or self.engine.kv_cache > 0)
+
+
+def judge_share(cfg: Any) -> float:
+    """The fraction of each GPU a judge's vLLM server takes for the rollout phase (0: no judge on
+    the GPUs). It starts with the phase and stops at its end, so it adds to the rollout phase only."""
+    j = cfg.tasks.judge
+    return j.gpu_memory_utilization if (j.enabled and not j.url and j.engine == "vllm"
+                                        and not cfg.inference.vllm.cpu) else 0.0
 
 
 def engine_on_gpu(cfg: Any, debug_mode: bool = False) -> bool:
@@ -142,7 +151,8 @@ def make_plan(cfg: Any, *, serves: bool, trains: bool, num_nodes: int, debug_mod
     residue = rollout_residue(train, trainer) if trainer else ("no trainer", 0.0)
     return MemoryPlan(gib * GIB, source, shape, world, trainer,
                       engine_memory(shape, cfg.inference, gib * GIB) if engine_gpu else None,
-                      engine_gpu and trains, residue, checkpoint_size(shape, train, on_gpu=True) if trains else None)
+                      engine_gpu and trains, residue, checkpoint_size(shape, train, on_gpu=True) if trains else None,
+                      judge_share(cfg) * gib * GIB if engine_gpu else 0.0)
 
 
 def format_plan(plan: MemoryPlan) -> str:
@@ -173,14 +183,18 @@ def format_plan(plan: MemoryPlan) -> str:
                                e.during_training if plan.shared else 0.0))
         if e.kv_cache <= 0:
             lines.append("    DOES NOT FIT: no room for a KV cache; raise gpu_memory_utilization")
+    if plan.judge:
+        lines.append(table_row("judge's vLLM server, rollout only: judge.gpu_memory_utilization x GPU", plan.judge))
     of = f"of {plan.gpu_bytes / GIB:.1f} GiB"
     if t:
         who = "trainer + engine" if plan.shared else "trainer"
         lines.append(table_row(f"while training ({who}) {of}: {_verdict(plan.training_total, plan)}",
                                plan.training_total, 2))
-    if plan.shared:
-        lines.append(table_row(f"while rolling out (engine + trainer) {of}: {_verdict(plan.rollout_total, plan)}",
+    if plan.shared or plan.judge:
+        who = " + ".join(["engine", *(["judge"] if plan.judge else []), *(["trainer"] if plan.shared else [])])
+        lines.append(table_row(f"while rolling out ({who}) {of}: {_verdict(plan.rollout_total, plan)}",
                                plan.rollout_total, 2))
+    if plan.shared:
         lines.append(table_row(f"trainer: {plan.residue[0]}", plan.residue[1]))
     if plan.disk:
         lines += ["", *format_checkpoint_size(plan.disk)]
