@@ -95,7 +95,7 @@ def main(env_spec: str, tasks_path: Path, out: Path, count: int, solver: str | N
     for task in tasks[:count]:
         try:
             messages = play(factory, solve, task, max_turns=max_turns, success=success)
-        except (ValueError, EnvError) as exc:
+        except ValueError as exc:  # EnvError too: the environment returned the wrong types
             raise click.ClickException(f"{exc}; fix the solver or the task") from None
         lines.append(json.dumps({"id": task.id, "messages": messages}, ensure_ascii=False) + "\n")
     publish_bytes(out, "".join(lines).encode("utf-8"))
