@@ -1,4 +1,5 @@
-"""BATON_DEMO=agent scripts/demo.sh as a user runs it, on seed 0 (slow tier). It must finish,
+"""BATON_DEMO=agent scripts/demo.sh as a user runs it, on seed 0 (slow tier: 6-11 minutes on 2
+cores, the demo's wall time; seed 0 took 10 min 33 s at a load average of 6-8). It must finish,
 raise the greedy episode success rate of the calculator by at least 20 points over the SFT start
 (README's claim), roll out multi-turn episodes on both nodes and train on them.
 
