@@ -44,7 +44,7 @@ if [ "$demo" = agent ]; then
   sft=(--data "$work/worked.jsonl" --eval-env calculator --eval-max-turns 3 --max-new-tokens 24 --eval-every 10
        --target-accuracy 0.30 --lr 2e-3 --batch-size 32 --steps 600)
   goal="episode success rate reaches 30%"
-  threads=1   # 0.7-1 steps/s on a loaded machine, where 2 threads per process thrashed
+  threads=1   # on a loaded 2-core machine: ~1 s a step (batch 32) with one thread, 12-15 s (batch 64) with two
   config=configs/agent-demo.yaml
 else
   echo "== 1/4 tasks: 5000 train and 500 eval 3-digit additions"
