@@ -7,6 +7,7 @@ then the chat template builds the prompt (rollout/prompts.py). Every other key i
 what is wrong, and so is an id used twice.
 
     python -m rollout.tasks make --kind arithmetic --out DIR --train 5000 --eval 500 --digits 3 --ops +,-
+    python -m rollout.tasks make --kind calculator --out DIR --ops '*'   (questions for tasks.env=calculator)
     python -m rollout.tasks check DIR/train.jsonl
 """
 from __future__ import annotations
@@ -190,7 +191,21 @@ def arithmetic_tasks(n_train: int, n_eval: int, *, digits: int = 3, ops: tuple[s
     return train, evals
 
 
-GENERATORS = {"arithmetic": arithmetic_tasks}
+def calculator_tasks(n_train: int, n_eval: int, *, digits: int = 3, ops: tuple[str, ...] = ("*",),
+                     seed: int = 0) -> tuple[list[Task], list[Task]]:
+    """The arithmetic problems asked as questions for the `calculator` environment
+    (`What is 17*23?`), each with its `expression`, which the environment's worked episodes send
+    to the tool (rollout/envs/worked.py)."""
+    def ask(task: Task) -> Task:
+        expression = task.prompt.removesuffix("=")
+        return Task(id=task.id, prompt=f"What is {expression}?", answer=task.answer,
+                    extra={**task.extra, "kind": "calculator", "expression": expression})
+
+    train, evals = arithmetic_tasks(n_train, n_eval, digits=digits, ops=ops, seed=seed)
+    return [ask(t) for t in train], [ask(t) for t in evals]
+
+
+GENERATORS = {"arithmetic": arithmetic_tasks, "calculator": calculator_tasks}
 
 
 @click.group()

@@ -8,6 +8,8 @@ when complete (written beside it, then renamed).
 
 With --eval-data and --target-accuracy it stops as soon as greedy exact-match accuracy (scored
 by a rollout reward function) reaches the target: the demo warm-starts the tiny model this way.
+With --eval-env the accuracy is the success rate of greedy episodes of that environment: the
+agent demo warm-starts on worked episodes (multi-turn chat examples, train/sft_data.py) so.
 If the target is not reached within --steps, the checkpoint is still written, a warning says so
 and trainer_state.json records `target_reached: false`.
 
@@ -29,6 +31,7 @@ from coordination import log
 from coordination.config import ConfigError
 from coordination.progress import Progress
 from coordination.records import restrict_umask
+from rollout.envs import EnvError, load_env
 from rollout.rewards import load_reward
 from rollout.tasks import load_tasks
 from train.benchmark import bench_model, bench_options, print_and_write, run_bench, train_config_from
@@ -73,8 +76,8 @@ def _micro_batches(examples, batch: list[int], info, budget: int, pad_id: int, c
     pack = pack_step(batch, [len(examples[i]) for i in batch], budget=budget, world_size=info.world_size // cp)
     ours = pack.ranks[info.rank // cp]
     mine = ours + [[]] * (pack.micro_batches_per_rank - len(ours))
-    return [collate([{"prompt_ids": examples[i].prompt_ids, "completion_ids": examples[i].completion_ids}
-                     for i in members], pad_id) for members in mine]
+    return [collate([{"prompt_ids": examples[i].prompt_ids, "completion_ids": examples[i].completion_ids,
+                      "loss_mask": examples[i].loss_mask} for i in members], pad_id) for members in mine]
 
 
 def _train(opts: dict, cfg, info) -> dict:
@@ -84,7 +87,7 @@ def _train(opts: dict, cfg, info) -> dict:
 
     from train.build import load_model, make_trainable, preflight
     from train.distributed import agreed
-    from train.evaluate import greedy_accuracy
+    from train.evaluate import EpisodeEval, greedy_accuracy
     from train.step import StepSettings, train_step
 
     agreed("checking the trainer settings", info, lambda: preflight(cfg, info))
@@ -96,7 +99,10 @@ def _train(opts: dict, cfg, info) -> dict:
         return tok, load_examples(opts["data"], tok), tasks, load_model(cfg, opts["model"], None)
 
     tok, examples, eval_tasks, loaded = agreed("loading the model and the SFT data", info, load)
-    reward = load_reward(opts["reward"]) if eval_tasks else None
+    reward = load_reward(opts["reward"]) if eval_tasks and not opts["eval_env"] else None
+    episodes = EpisodeEval(opts["model"], tok, eval_tasks, load_env(opts["eval_env"]),
+                           max_turns=opts["eval_max_turns"], max_new_tokens=opts["max_new_tokens"]) \
+        if eval_tasks and opts["eval_env"] else None
     t = make_trainable(loaded, cfg, info)
     policy, model, optimizer, params = t.policy, t.model, t.optimizer, t.params
     settings = StepSettings(algorithm="sft", backend=cfg.backend, dtype=t.dtype, grad_clip=cfg.grad_clip)
@@ -117,7 +123,7 @@ def _train(opts: dict, cfg, info) -> dict:
                        min_ratio=1.0)
             metrics = train_step(model, params, optimizer,
                                  _micro_batches(examples, batch, info, cfg.micro_batch_tokens, pad_id, cfg.cp), lr=lr,
-                                 global_completion_tokens=sum(len(examples[i].completion_ids) for i in batch),
+                                 global_completion_tokens=sum(examples[i].trained_tokens for i in batch),
                                  settings=settings, info=info, router_loss=t.router_loss)
             losses.append([step, round(metrics.loss, 5)])
             bar.advance(1, tokens=metrics.tokens)
@@ -126,9 +132,12 @@ def _train(opts: dict, cfg, info) -> dict:
             if not eval_tasks or not eval_due(step, accuracy, opts):
                 continue
             model.eval()
-            accuracy = greedy_accuracy(generate, tok, eval_tasks, reward, info=info,
-                                       batch_size=opts["eval_batch_size"], max_new_tokens=opts["max_new_tokens"],
-                                       synced=cfg.backend == "fsdp" and info.world_size > 1)
+            if episodes is not None:
+                accuracy = episodes(policy, info)
+            else:
+                accuracy = greedy_accuracy(generate, tok, eval_tasks, reward, info=info,
+                                           batch_size=opts["eval_batch_size"], max_new_tokens=opts["max_new_tokens"],
+                                           synced=cfg.backend == "fsdp" and info.world_size > 1)
             model.train()
             evals.append([step, accuracy])
             if info.is_main:
@@ -235,6 +244,11 @@ def run_sft(opts: dict) -> int:
 @click.option("--eval-batch-size", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(1), default=16, show_default=True, help="greedy eval length")
 @click.option("--reward", default="arithmetic", show_default=True, help="rollout reward spec that scores evals")
+@click.option("--eval-env", default=None,
+              help="evaluate greedy episodes of this environment (as tasks.env: calculator, guess or module:factory) "
+                   "instead of single completions; accuracy is their success rate (reward >= 1)")
+@click.option("--eval-max-turns", type=click.IntRange(1), default=4, show_default=True,
+              help="--eval-env: most policy turns of an eval episode")
 @click.option("--steps", type=click.IntRange(1), default=1000, show_default=True, help="maximum optimizer steps")
 @click.option("--batch-size", type=click.IntRange(1), default=256, show_default=True, help="global examples per step")
 @click.option("--lr", type=float, default=2e-3, show_default=True)
@@ -267,6 +281,13 @@ def main(**opts) -> None:
     out: Path = opts["out"]
     if opts["target_accuracy"] is not None and opts["eval_data"] is None:
         raise click.UsageError("--target-accuracy needs --eval-data (the tasks to measure accuracy on)")
+    if opts["eval_env"] is not None:
+        if opts["eval_data"] is None:
+            raise click.UsageError("--eval-env needs --eval-data (the tasks whose episodes are evaluated)")
+        try:
+            load_env(opts["eval_env"])
+        except EnvError as exc:
+            raise click.UsageError(f"--eval-env: {exc}") from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise click.UsageError(f"--out {out} already exists and is not empty; choose a new folder or remove it")
     if out.exists():

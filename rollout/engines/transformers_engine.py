@@ -60,10 +60,14 @@ class TransformersEngine(Engine):
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as exc:
             raise EngineError(f"transformers engine cannot load the tokenizer of {model_dir}: {exc}") from exc
-        self.model, self.tokenizer = model, tokenizer
+        self.serve(model, tokenizer, model_dir)
+
+    def serve(self, model: Any, tokenizer: Any, model_dir: Path | None = None) -> None:
+        """Sample from a model already in memory (SFT's episode eval samples the weights it trains)."""
+        self.model, self.tokenizer = model.eval(), tokenizer
         self.eos_ids = frozenset(self._eos_ids(model, tokenizer))
         if not self.eos_ids:
-            raise EngineError(f"{model_dir} defines no eos_token_id (config, generation config or tokenizer); "
+            raise EngineError(f"{model_dir or 'the model'} defines no eos_token_id (config, generation config or tokenizer); "
                               f"the engine cannot tell when a completion stops")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.pad_id = int(pad)

@@ -5,6 +5,10 @@ the result (or the reason it could not compute it) and the episode goes on. A tu
 tool call is the answer: its last number is compared with the task's `answer` (reward 1.0 or
 0.0) and the episode ends. Expressions are integers and decimals with + - * / and parentheses,
 evaluated from their syntax tree (never `eval`), so a model cannot run code through the tool.
+
+`worked_turn` is the environment's own solution, turn by turn (send the task's expression to
+the tool, then answer with the tool's result): rollout/envs/worked.py plays it against the
+environment to write the worked episodes an SFT warm start learns from.
 """
 from __future__ import annotations
 
@@ -73,3 +77,15 @@ class Calculator:
         answer = final_number(text)
         solved = answer is not None and float(answer) == float(self.task["answer"])
         return Step([], 1.0 if solved else 0.0, True)
+
+
+def worked_turn(task: Any, messages: list[dict[str, str]]) -> str:
+    """The next assistant turn of a worked episode: the tool call of the task's `expression`,
+    then, once the tool has answered, its result as the answer."""
+    if messages and messages[-1]["role"] == "tool":
+        return messages[-1]["content"]
+    expression = task.get("expression")
+    if not isinstance(expression, str) or not expression:
+        raise ValueError(f"task {task['id']!r} has no 'expression' to send to the tool; make calculator tasks with "
+                         f"`python -m rollout.tasks make --kind calculator`")
+    return f"<calc>{expression}</calc>"
