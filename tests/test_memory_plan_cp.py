@@ -20,9 +20,9 @@ WORKED_CP = {"activations kept": 4.500, "activations of the block": 2.846, "all-
 LONG = "train.micro_batch_tokens=65536"
 
 
-def _rows(plan) -> dict[str, float]:
+def _rows(plan, worked: dict[str, float] = WORKED_CP) -> dict[str, float]:
     t = plan.trainer
-    out = {key: b / GIB for key in WORKED_CP for name, b in t.rows + t.head + t.block if name.startswith(key)}
+    out = {key: b / GIB for key in worked for name, b in t.rows + t.head + t.block if name.startswith(key)}
     out["peak"] = t.peak / GIB
     return out
 
@@ -43,3 +43,20 @@ def test_cp_divides_the_token_terms_and_leaves_the_sharded_state_alone(tmp_path)
     for part in ("parameters", "gradients", "AdamW state", "gathered parameters"):
         assert cp_by_name[part] == by_name[part], part
     assert not any(n.startswith("all-to-all") for n, _ in one.block)
+
+
+# The same with train.cp_kind=ring: no all-to-all buffers; per token the block adds float32 scaled
+# queries, 4 blocks' float32 outputs and merges, logsumexps and 3 received kv slices:
+# 4 x 4096 x (1 + 2 x 4) + 8 x 32 x 4 + 2 x 3 x 2 x 4096 = 197,632 B, so the block recomputed is
+# (186,496 + 197,632) x 16384 = 5.862; one 512-query chunk's scores, probabilities and their
+# gradients 4 x 4 x 32 x 512 x 16384 = 4.000; peak 15.018 + 5.862 + 4.000 + 1.885 + 0.244 = 27.01.
+WORKED_RING = {"activations kept": 4.500, "activations of the block": 5.862, "ring attention": 4.000,
+               "its unsharded": 1.885, "peak": 27.01}
+
+
+def test_ring_counts_its_query_chunk_scores_and_kv_slices_instead_of_all_to_all_buffers(tmp_path):
+    plan = _both(_cfg(_model(tmp_path), LONG, "train.cp=4", "train.cp_kind=ring"), 2)
+    got = _rows(plan, WORKED_RING)
+    for key, want in WORKED_RING.items():
+        assert got[key] == pytest.approx(want, rel=0.01), key
+    assert not any(n.startswith("all-to-all") for n, _ in plan.trainer.block)

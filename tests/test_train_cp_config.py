@@ -81,6 +81,21 @@ def test_launch_check_reads_the_heads_from_the_model_folder(tmp_path):
     check_cp_launch(TrainConfig(cp=2, nproc_per_node=2), 1, tmp_path / "absent")
 
 
+def test_ring_needs_no_head_count_that_cp_divides_and_ulysses_points_to_it(tmp_path):
+    three = {"model_type": "llama", "num_attention_heads": 3, "num_key_value_heads": 1}
+    check_cp_heads(2, three, "sdpa", "ring")
+    with pytest.raises(ConfigError, match=r"set train.cp to one of \[1\], or train.cp_kind=ring"):
+        check_cp_heads(2, three, "sdpa", "ulysses")
+    # ring splits the same plain causal attention: what is not that is refused for it too
+    with pytest.raises(ConfigError, match="not plain causal attention"):
+        check_cp_heads(2, {**three, "sliding_window": 64}, "sdpa", "ring")
+    model = _config(tmp_path / "m", **three)
+    check_cp_launch(TrainConfig(cp=2, nproc_per_node=2, cp_kind="ring"), 1, model)
+    assert TrainConfig().cp_kind == "ulysses"
+    with pytest.raises(ConfigError, match="cp_kind"):
+        from_dict(TrainConfig, {"cp": 2, "cp_kind": "zigzag"})
+
+
 @pytest.mark.parametrize("model,cp,nproc,message", [
     (LLAMA, 4, 2, "context-parallel-degree: train.cp=4 would split a sequence across nodes"),
     ({"model_type": "llama", "num_attention_heads": 6, "num_key_value_heads": 6}, 4, 4,

@@ -24,7 +24,7 @@ from coordination.config import ConfigError
 from train.act_checkpoint import apply_activation_checkpointing
 from train.chunked_head import resolve_chunk_size
 from train.config import CompileConfig, TrainConfig, check_world_size
-from train.context import enable_ulysses
+from train.context import enable_context_parallel
 from train.distributed import DistInfo
 from train.lora import WeightsSource, inject_adapters, merge_sources, weights_source
 from train.model import Policy, compute_dtype, decoder_blocks, load_causal_lm, trainable_parameters
@@ -146,7 +146,7 @@ def make_policy(lm: nn.Module, cfg: TrainConfig, info: DistInfo, *, trainable: b
                           f"lm_head out of train.lora.target_modules)")
     offload = ActivationOffload(cfg.ac_offloading.max_inflight_activations, info.device) \
         if trainable and cfg.ac_offloading.enabled else None
-    context = enable_ulysses(lm, info, cfg.cp, cfg.attn) if cfg.cp > 1 else None
+    context = enable_context_parallel(lm, info, cfg.cp, cfg.attn, cfg.cp_kind) if cfg.cp > 1 else None
     return Policy(lm, head_chunk=chunk, activation_offload=offload, context=context), checkpointed, offload
 
 
@@ -195,7 +195,8 @@ def make_trainable(loaded: Loaded, cfg: TrainConfig, info: DistInfo) -> Trainabl
         if cfg.backend == "fsdp" and cfg.dp_replicate > 1:
             levers.append(f"HSDP {cfg.dp_replicate}x{info.world_size // cfg.dp_replicate}")
         if cfg.cp > 1:
-            levers.append(f"context parallelism (ulysses): {info.world_size // cfg.cp} group(s) of cp={cfg.cp} ranks")
+            groups = info.world_size // cfg.cp
+            levers.append(f"context parallelism ({cfg.cp_kind}): {groups} group(s) of cp={cfg.cp} ranks")
         if cfg.ep > 1:
             levers.append(f"expert parallelism: {info.world_size // cfg.ep} group(s) of ep={cfg.ep} ranks")
         if cfg.fsdp_cpu_offload or cfg.optim_cpu_offload:

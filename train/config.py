@@ -264,9 +264,13 @@ class TrainConfig:
            "over groups of ep ranks and tokens travel to their experts' rank by all-to-all; must divide the number "
            "of trainer processes and the experts per layer. Needs backend=fsdp and dp_replicate=1 (1 = off)")
     cp: int = option(
-        1, "context-parallel degree (Ulysses): each micro-batch's sequences are split along the tokens over cp "
-           "ranks of one node, which exchange heads for positions by all-to-all around attention; must divide "
-           "train.nproc_per_node and the model's attention and kv heads. Needs backend=fsdp, attn=sdpa (1 = off)")
+        1, "context-parallel degree: each micro-batch's sequences are split along the tokens over cp "
+           "ranks of one node, which attend as train.cp_kind says; must divide train.nproc_per_node "
+           "(and, for ulysses, the model's attention and kv heads). Needs backend=fsdp, attn=sdpa (1 = off)")
+    cp_kind: Literal["ulysses", "ring"] = option(
+        "ulysses", "how a context-parallel group attends over its split sequence: ulysses (all-to-all trades "
+                   "positions for heads; heads and kv heads must divide by cp) or ring (keys and values travel "
+                   "around the group, plain torch without a flash kernel; any head count)")
     attn: Literal["sdpa", "flash_attention_2", "eager"] = option(
         "sdpa", "attention implementation of transformers: sdpa (PyTorch), flash_attention_2 (needs the flash-attn "
                 "package and CUDA), eager (reference)")

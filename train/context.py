@@ -1,4 +1,5 @@
-"""Context parallelism (`train.cp`), DeepSpeed-Ulysses style: one sequence split over cp ranks.
+"""Context parallelism (`train.cp`): one sequence split over cp ranks, DeepSpeed-Ulysses style
+(`train.cp_kind=ulysses`, here) or by ring attention (`ring`, train/ring.py).
 
 The trainer processes form a (cp_replicate, cp) mesh, cp consecutive ranks to a group (so a
 group stays on one node: cp must divide the processes of a node). Every rank of a group gets
@@ -15,6 +16,8 @@ Both are differentiable (their backward is the reverse exchange), so gradients a
 Masks: a micro-batch holds one sample per row, right padded (train/batches.py), so a sample
 boundary is a row boundary and causal attention alone already keeps every real token away from
 the padding after it; no mask crosses the split. Left-padded input is refused.
+
+Ring attention keeps the same slices, positions, masks and loss; only attention differs.
 
 Loss: each rank computes the per-token loss of its own slice. Summed over all ranks this counts
 every token of every group once, and train/step.py's scale (world size / global completion
@@ -33,8 +36,11 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from train.context_rules import check_cp_heads, check_cp_world
 from train.distributed import DistInfo
+from train.ring import ring_attention
 
-ULYSSES = "baton_ulysses"   # the attention implementation name registered with transformers
+# The attention implementation names registered with transformers, per train.cp_kind.
+ULYSSES = "baton_ulysses"
+RING = "baton_ring"
 
 
 @dataclass
@@ -44,6 +50,7 @@ class ContextParallel:
     cp: int
     index: int
     group: object
+    attention: str = ULYSSES   # the registered attention the model runs between whole_sequences
 
     def span(self, length: int) -> tuple[int, int, int]:
         """(start, stop, padded length) of this rank's slice of `length` positions."""
@@ -70,12 +77,12 @@ class ContextParallel:
     @contextlib.contextmanager
     def whole_sequences(self, lm: torch.nn.Module) -> Iterator[None]:
         """Plain SDPA (with transformers' own masks) while every rank runs whole sequences of its
-        own, as generation does (left-padded prompts, a KV cache); Ulysses again afterwards."""
+        own, as generation does (left-padded prompts, a KV cache); the split attention afterwards."""
         lm.config._attn_implementation = "sdpa"
         try:
             yield
         finally:
-            lm.config._attn_implementation = ULYSSES
+            lm.config._attn_implementation = self.attention
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, h, S, D] (this rank's positions, all heads) -> [B, h/cp, cp*S, D] (all positions of
@@ -112,17 +119,18 @@ def context_mesh(info: DistInfo, cp: int):
     return init_device_mesh(info.device.type, (info.world_size // cp, cp), mesh_dim_names=("cp_replicate", "cp"))
 
 
-def enable_ulysses(lm: torch.nn.Module, info: DistInfo, cp: int, attn: str) -> ContextParallel:
-    """Collective: make `lm`'s attention Ulysses over CP groups of `cp` ranks; returns this rank's
-    place, which Policy.forward passes to the model (train/model.py)."""
+def enable_context_parallel(lm: torch.nn.Module, info: DistInfo, cp: int, attn: str, kind: str) -> ContextParallel:
+    """Collective: make `lm`'s attention `kind` (ulysses or ring) over CP groups of `cp` ranks;
+    returns this rank's place, which Policy.forward passes to the model (train/model.py)."""
     from transformers import AttentionInterface
 
     check_cp_world(cp, info.world_size)
-    check_cp_heads(cp, lm.config.to_dict(), attn)
+    check_cp_heads(cp, lm.config.to_dict(), attn, kind)
     mesh = context_mesh(info, cp)
-    AttentionInterface.register(ULYSSES, ulysses_attention)
-    lm.config._attn_implementation = ULYSSES
-    return ContextParallel(cp, mesh.get_local_rank("cp"), mesh.get_group("cp"))
+    name, attention = (RING, ring_attention) if kind == "ring" else (ULYSSES, ulysses_attention)
+    AttentionInterface.register(name, attention)
+    lm.config._attn_implementation = name
+    return ContextParallel(cp, mesh.get_local_rank("cp"), mesh.get_group("cp"), name)
 
 
 def check_right_padded(attention_mask: torch.Tensor) -> None:

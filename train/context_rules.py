@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from train.config import TrainConfig
 
 
+# Ring attention's queries per block computation (train/ring.py): its float32 scores are
+# [B, h, RING_QUERY_CHUNK, S], so with S = 16k positions per rank and 32 heads one chunk's scores
+# take 1 GiB, whatever the sequence length.
+RING_QUERY_CHUNK = 512
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -33,9 +39,10 @@ def check_cp_node(cp: int, nproc_per_node: int) -> None:
                           f"of {_divisors(nproc_per_node)}")
 
 
-def check_cp_heads(cp: int, config: dict, attn: str) -> None:
-    """Ulysses gives each rank of a group heads/cp query heads and kv_heads/cp kv heads of plain
-    causal attention (`config`: the model's config.json). Refuses what it cannot split that way."""
+def check_cp_heads(cp: int, config: dict, attn: str, cp_kind: str = "ulysses") -> None:
+    """Both kinds split plain causal attention (`config`: the model's config.json); Ulysses gives
+    each rank of a group heads/cp query heads and kv_heads/cp kv heads, while ring attention
+    keeps every head on every rank, so only Ulysses needs cp to divide the heads."""
     if cp == 1:
         return
     if attn != "sdpa":
@@ -59,6 +66,8 @@ def check_cp_heads(cp: int, config: dict, attn: str) -> None:
     if config.get("kv_lora_rank"):
         raise ConfigError(f"train.cp={cp}: {kind} compresses keys and values (multi-head latent attention, "
                           f"kv_lora_rank), which context parallelism does not split; set train.cp=1")
+    if cp_kind == "ring":
+        return
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
     if not isinstance(heads, int):
@@ -68,7 +77,7 @@ def check_cp_heads(cp: int, config: dict, attn: str) -> None:
         common = [d for d in _divisors(heads) if kv_heads % d == 0]
         raise ConfigError(f"train.cp={cp} does not divide the model's {' and '.join(bad)}: every rank of a CP "
                           f"group attends with heads/cp query heads and kv_heads/cp kv heads; set train.cp to one "
-                          f"of {common}")
+                          f"of {common}, or train.cp_kind=ring (any head count)")
 
 
 def check_cp_levers(cfg: "TrainConfig") -> None:
@@ -99,11 +108,11 @@ def check_cp_launch(cfg: "TrainConfig", num_nodes: int, model_path: str | Path =
     check_cp_world(cfg.cp, num_nodes * cfg.nproc_per_node)
     config = Path(model_path) / "config.json" if str(model_path) else None
     if config is not None and config.is_file():
-        check_cp_heads(cfg.cp, json.loads(config.read_text()), cfg.attn)
+        check_cp_heads(cfg.cp, json.loads(config.read_text()), cfg.attn, cfg.cp_kind)
 
 
 def context_mesh_line(cfg: "TrainConfig", num_nodes: int) -> str:
     """The trainer's mesh under context parallelism, as the dry run prints it."""
     world = num_nodes * cfg.nproc_per_node
-    return (f"mesh: {world} trainer processes = dp {world // cfg.cp} x cp {cfg.cp} (ulysses); FSDP2 shards over "
+    return (f"mesh: {world} trainer processes = dp {world // cfg.cp} x cp {cfg.cp} ({cfg.cp_kind}); FSDP2 shards over "
             f"all {world}, each CP group of {cfg.cp} consecutive ranks on one node splits every sequence")

@@ -15,7 +15,9 @@ Held from forward through backward:
   optim_cpu_offload only during the step);
 - activations kept for backward: T = micro_batch_tokens tokens (micro_batch_tokens / cp under
   context parallelism, whose backward also holds one layer's all-to-all send and receive copies
-  of q, k and v or their gradients, 2 d (hq + 2 kv) T) x (per block: A without
+  of q, k and v or their gradients, 2 d (hq + 2 kv) T; ring attention instead adds to A about
+  4 hq (1 + 2 cp) + 8 heads cp + 2 (cp - 1) d kv per token and holds one query chunk's float32
+  scores, probabilities and gradients, 16 heads min(512, T) T) x (per block: A without
   checkpointing, its input d h under full checkpointing, plus its targets' outputs under selective)
   plus the final norm's (4 + 2d) h. A Llama block (hidden h, query width hq, key/value width kv,
   MLP width i) keeps per token A = 2(4 + d)h (two RMSNorms: fp32 input, normalised output)
@@ -65,6 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from train.context_rules import RING_QUERY_CHUNK
 from train.model_shape import DTYPE_BYTES, GIB, ModelShape
 
 TRAINER_OVERHEAD_GIB = 3.0
@@ -102,6 +105,11 @@ def _activations(shape: ModelShape, train: Any, d: int, tokens: int) -> tuple[fl
     a = shape.block_activation_bytes(d)
     if train.attn == "eager":
         a += 2 * d * shape.heads * tokens
+    cp = getattr(train, "cp", 1)
+    if cp > 1 and getattr(train, "cp_kind", "ulysses") == "ring":
+        # Per token of the rank's slice, about: float32 scaled queries, up to cp blocks' float32
+        # outputs, merged outputs and logsumexps, and the cp - 1 kv slices received.
+        a += 4 * shape.q_width * (1 + 2 * cp) + 8 * shape.heads * cp + 2 * (cp - 1) * d * shape.kv_width
     freq, n = train.ac.freq, shape.layers
     checkpointed = len(range(0, n, freq)) if freq else 0
     keep = d * shape.hidden
@@ -188,7 +196,11 @@ def trainer_memory(shape: ModelShape, train: Any, world_size: int, *, on_gpu: bo
         head.append(("LM head weight gradient: fp32 sum + a chunk's product" if chunk else
                      f"LM head weight gradient: {d}-byte", head_grad))
     block: Rows = [("activations of the block recomputed", working)] if working else []
-    if cp_label:
+    if cp_label and getattr(train, "cp_kind", "ulysses") == "ring":
+        rows_at_once = min(RING_QUERY_CHUNK, tokens)
+        block.append((f"ring attention: {rows_at_once} queries' fp32 scores, probabilities and their gradients",
+                      4 * 4 * shape.heads * rows_at_once * tokens))
+    elif cp_label:
         block.append(("all-to-all buffers (ulysses): one layer's q, k, v or their gradients, sent and received",
                       2 * d * (shape.q_width + 2 * shape.kv_width) * tokens))
     if fsdp:
