@@ -144,10 +144,7 @@ def worker(model: Path, out: Path, lengths: tuple[int, ...], runs: list[tuple[in
                                               "generated": generated.tolist(),
                                               "completion_tokens": metrics.completion_tokens,
                                               "tokens": metrics.tokens}
-        all_results = [None] * info.world_size
-        torch.distributed.all_gather_object(all_results, results)
-        if info.is_main:
-            (out / "results.json").write_text(json.dumps({k: v for r in all_results for k, v in r.items()}))
+        ts.write_gathered(results, out, info)
     finally:
         shutdown()
 

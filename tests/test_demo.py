@@ -44,11 +44,13 @@ def _stop(procs: Procs, work: Path) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(procs, tmp_path):
-    work = tmp_path / "demo"  # the demo removes and recreates its folder: procs' logs stay beside it
-    demo = procs.start("demo", ["bash", str(ROOT / "scripts" / "demo.sh")], env=env(BATON_DEMO_DIR=str(work)),
-                       stdin=subprocess.DEVNULL)
+def run_demo(procs: Procs, work: Path, **variables: str) -> tuple[str, re.Match]:
+    """Run scripts/demo.sh with BATON_DEMO_DIR=`work` and `variables`, stop whatever it started,
+    assert that it finished with exit 0 and printed its eval line; (its output, that line's match:
+    start, end, checkpoint). A failure shows the tails of the demo's, the nodes' and the trainers'
+    logs (and SFT's, when there is one)."""
+    demo = procs.start("demo", ["bash", str(ROOT / "scripts" / "demo.sh")],
+                       env=env(BATON_DEMO_DIR=str(work), **variables), stdin=subprocess.DEVNULL)
     try:
         rc = demo.wait(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -56,13 +58,21 @@ def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(procs, tmp_path):
     finally:
         _stop(procs, work)
     out = procs.log("demo")
-    logs = "".join(_tail(p) for p in [procs.logs / "demo.log", work / "node-0.log", work / "node-1.log",
+    sft = [work / "sft.log"] if (work / "sft.log").exists() else []
+    logs = "".join(_tail(p) for p in [procs.logs / "demo.log", *sft, work / "node-0.log", work / "node-1.log",
                                       *sorted((work / "run" / "logs").glob("*/rank-*/trainer.log"))])
     assert rc is not None, f"the demo did not finish within {TIMEOUT} s; where it stood:\n{logs}"
     assert rc == 0, logs
     m = re.search(r"eval accuracy ([0-9.]+) \(checkpoint 0\) -> ([0-9.]+) \(checkpoint (\d+)\): ([+-][0-9.]+) points",
                   out)
     assert m, out[-3000:]
+    return out, m
+
+
+@pytest.mark.slow
+def test_demo_runs_two_nodes_and_rl_beats_the_sft_start(procs, tmp_path):
+    work = tmp_path / "demo"  # the demo removes and recreates its folder: procs' logs stay beside it
+    out, m = run_demo(procs, work)
     start, end = float(m.group(1)), float(m.group(2))
     assert end - start >= 0.10, f"RL gained only {100 * (end - start):.1f} points ({start:.3f} -> {end:.3f})"
     assert (work / "run" / "report" / "learning.png").exists()

@@ -69,10 +69,7 @@ def worker(model: Path, out: Path, poisoned: Path) -> None:
         results[f"poisoned-{info.rank}"] = {"sharded": loaded.sharded, "finite": bool(local.isfinite().all()),
                                             "local_experts": local.shape[0]}
         save_file({"gate_up_proj": local.contiguous()}, str(out / f"poisoned-gate-up-{info.rank}.safetensors"))
-        all_results = [None] * info.world_size
-        torch.distributed.all_gather_object(all_results, results)
-        if info.is_main:
-            (out / "results.json").write_text(json.dumps({k: v for r in all_results for k, v in r.items()}))
+        ts.write_gathered(results, out, info)
     finally:
         shutdown()
 

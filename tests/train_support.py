@@ -192,3 +192,15 @@ def torchrun(module: str, args: list[str], logs_dir: Path, *, nnodes: int = 2, n
 
 def logs_text(logs_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(logs_dir.glob("*.log")))
+
+
+def write_gathered(results: dict, out: Path, info) -> None:
+    """Collective: every rank's `results` merged into one dict, written by rank 0 as `out`/results.json."""
+    import json
+
+    import torch.distributed as dist
+
+    all_results = [None] * info.world_size
+    dist.all_gather_object(all_results, results)
+    if info.is_main:
+        (out / "results.json").write_text(json.dumps({k: v for r in all_results for k, v in r.items()}))
